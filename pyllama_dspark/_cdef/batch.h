@@ -1,0 +1,28 @@
+// Source: include/llama.h (llama.cpp 0c1e57098 + pyllama-dspark patches).
+
+struct llama_batch llama_batch_init(
+        int32_t n_tokens,
+        int32_t embd,
+        int32_t n_seq_max);
+void llama_batch_free(struct llama_batch batch);
+struct llama_batch_ext * llama_batch_ext_init (struct llama_context * ctx);
+void                     llama_batch_ext_free (struct llama_batch_ext * batch);
+void                     llama_batch_ext_clear(struct llama_batch_ext * batch);
+int32_t llama_batch_ext_add_token(struct llama_batch_ext * batch, llama_seq_id seq_id, llama_token id);
+int32_t llama_batch_ext_add_embd (struct llama_batch_ext * batch, llama_seq_id seq_id, struct llama_embd embd);
+bool llama_batch_ext_set_embd_state(
+                            struct llama_batch_ext * batch,
+                                           int32_t   idx,
+                                 struct llama_embd   embd);
+bool llama_batch_ext_set_output_logits(
+                            struct llama_batch_ext * batch,
+                                           int32_t  idx,
+                                              bool  value);
+bool llama_batch_ext_set_pos(
+                            struct llama_batch_ext * batch,
+                                           int32_t   idx,
+                                   const llama_pos * pos);
+int32_t llama_process(
+                            struct llama_context * ctx,
+                         enum llama_process_type   type,
+                          struct llama_batch_ext * batch);

@@ -1,0 +1,19 @@
+// Source: include/llama.h (llama.cpp 0c1e57098 + pyllama-dspark patches).
+
+struct llama_context * llama_init_from_model(
+                 struct llama_model * model,
+        struct llama_context_params   params);
+void llama_free(struct llama_context * ctx);
+uint32_t llama_n_ctx      (const struct llama_context * ctx);
+uint32_t llama_n_batch    (const struct llama_context * ctx);
+uint32_t llama_n_ubatch   (const struct llama_context * ctx);
+uint32_t llama_n_seq_max  (const struct llama_context * ctx);
+uint32_t llama_n_rs_seq   (const struct llama_context * ctx);
+llama_memory_t   llama_get_memory  (const struct llama_context * ctx);
+int32_t llama_decode(
+        struct llama_context * ctx,
+          struct llama_batch   batch);
+void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+void llama_synchronize(struct llama_context * ctx);
+float * llama_get_logits(struct llama_context * ctx);
+float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);

@@ -1,0 +1,84 @@
+// Source: include/llama.h, ggml/include/ggml.h (llama.cpp 0c1e57098 + pyllama-dspark patches).
+// Verbatim declarations; `...` lets the compiler fill in what we do not name.
+
+typedef int32_t llama_pos;
+typedef int32_t llama_token;
+typedef int32_t llama_seq_id;
+
+struct llama_vocab;
+struct llama_model;
+struct llama_context;
+typedef struct llama_memory_i * llama_memory_t;
+
+enum ggml_log_level {
+    GGML_LOG_LEVEL_NONE  = 0,
+    GGML_LOG_LEVEL_DEBUG = 1,
+    GGML_LOG_LEVEL_INFO  = 2,
+    GGML_LOG_LEVEL_WARN  = 3,
+    GGML_LOG_LEVEL_ERROR = 4,
+    GGML_LOG_LEVEL_CONT  = 5,
+};
+
+typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+
+enum llama_vocab_type {
+    LLAMA_VOCAB_TYPE_NONE   = 0,
+    LLAMA_VOCAB_TYPE_SPM    = 1,
+    LLAMA_VOCAB_TYPE_BPE    = 2,
+    LLAMA_VOCAB_TYPE_WPM    = 3,
+    LLAMA_VOCAB_TYPE_UGM    = 4,
+    LLAMA_VOCAB_TYPE_RWKV   = 5,
+    LLAMA_VOCAB_TYPE_PLAMO2 = 6,
+    LLAMA_VOCAB_TYPE_TEST   = 7,
+};
+
+typedef struct llama_batch {
+    int32_t n_tokens;
+
+    llama_token  *  token;
+    float        *  embd;
+    llama_pos    *  pos;
+    int32_t      *  n_seq_id;
+    llama_seq_id ** seq_id;
+    int8_t       *  logits;
+} llama_batch;
+
+struct llama_model_params {
+    int32_t n_gpu_layers;
+    int32_t main_gpu;
+    bool vocab_only;
+    bool check_tensors;
+    ...;
+};
+
+struct llama_context_params {
+    uint32_t n_ctx;
+    uint32_t n_batch;
+    uint32_t n_ubatch;
+    uint32_t n_seq_max;
+    uint32_t n_rs_seq;
+    int32_t  n_threads;
+    int32_t  n_threads_batch;
+    bool embeddings;
+    bool no_perf;
+    struct llama_context * ctx_other;
+    ...;
+};
+
+typedef struct llama_chat_message {
+    const char * role;
+    const char * content;
+} llama_chat_message;
+
+struct llama_embd {
+    const float * data;
+    size_t n_rows;
+    size_t n_embd;
+};
+
+struct llama_batch_ext;
+
+enum llama_process_type {
+    LLAMA_PROCESS_TYPE_ENCODE,
+    LLAMA_PROCESS_TYPE_DECODE,
+};

@@ -1,0 +1,254 @@
+"""Model: a loaded GGUF (weights + vocabulary + metadata)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from . import _log
+from ._lib import ffi, lib
+from ._owned import Owned
+from .errors import InvalidBatchError, LlamaError, ModelLoadError
+
+_GGUF_MAGIC = b"GGUF"
+
+
+class Model(Owned):
+    """A GGUF model loaded by llama.cpp.
+
+    Args:
+        path: the .gguf file.
+        n_gpu_layers: layers to offload to a GPU backend (0 = CPU only, -1 = all).
+        vocab_only: load only the vocabulary and metadata.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        ModelLoadError: llama.cpp refused the file (not GGUF, truncated, corrupt,
+            unsupported architecture); ``log_tail`` has its reason.
+
+    Closing a model closes its contexts first. ``with Model(...) as m:`` works.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False):
+        self.path = Path(path)
+        _check_gguf_file(self.path)
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = int(n_gpu_layers)
+        params.vocab_only = bool(vocab_only)
+        _log.clear()
+        ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+        if ptr == ffi.NULL:
+            raise ModelLoadError(f"could not load model {str(self.path)!r}", op="llama_model_load_from_file",
+                                 log_tail=_log.tail())
+        self._set_ptr(ptr)
+        self._vocab = lib.llama_model_get_vocab(ptr)
+        self._gguf_reader = None
+
+    def _free(self, ptr) -> None:
+        lib.llama_model_free(ptr)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.arch}, {self.n_layer} layers, n_embd {self.n_embd}"
+        return f"<Model {self.path.name}: {state}>"
+
+    # --- sizes -------------------------------------------------------------------------
+    @property
+    def n_layer(self) -> int:
+        return lib.llama_model_n_layer(self.ptr)
+
+    @property
+    def n_embd(self) -> int:
+        return lib.llama_model_n_embd(self.ptr)
+
+    @property
+    def n_head(self) -> int:
+        return lib.llama_model_n_head(self.ptr)
+
+    @property
+    def n_head_kv(self) -> int:
+        return lib.llama_model_n_head_kv(self.ptr)
+
+    @property
+    def n_ctx_train(self) -> int:
+        return lib.llama_model_n_ctx_train(self.ptr)
+
+    @property
+    def n_vocab(self) -> int:
+        self.ptr
+        return lib.llama_vocab_n_tokens(self._vocab)
+
+    @property
+    def n_params(self) -> int:
+        return lib.llama_model_n_params(self.ptr)
+
+    @property
+    def size(self) -> int:
+        """Bytes of weights."""
+        return lib.llama_model_size(self.ptr)
+
+    @property
+    def is_recurrent(self) -> bool:
+        return bool(lib.llama_model_is_recurrent(self.ptr))
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(lib.llama_model_is_hybrid(self.ptr))
+
+    @property
+    def description(self) -> str:
+        buf = ffi.new("char[]", 256)
+        lib.llama_model_desc(self.ptr, buf, 256)
+        return ffi.string(buf).decode("utf-8", "replace")
+
+    # --- metadata ----------------------------------------------------------------------
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value as llama.cpp renders it (string form), or None when absent.
+
+        Arrays render abbreviated; use ``gguf_value`` for the full typed value.
+        """
+        return _read_string(lambda buf, n: lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, n))
+
+    def metadata(self) -> dict[str, str]:
+        """All metadata keys with their string values."""
+        out = {}
+        for i in range(lib.llama_model_meta_count(self.ptr)):
+            key = _read_string(lambda buf, n: lib.llama_model_meta_key_by_index(self.ptr, i, buf, n))
+            out[key] = _read_string(lambda buf, n: lib.llama_model_meta_val_str_by_index(self.ptr, i, buf, n))
+        return out
+
+    def gguf_value(self, key: str, default: Any = None) -> Any:
+        """A GGUF key's typed value read from the file (ints, floats, strings, lists for arrays)."""
+        if self._gguf_reader is None:
+            import gguf
+
+            self._gguf_reader = gguf.GGUFReader(self.path)
+        field = self._gguf_reader.get_field(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    # --- vocabulary --------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
+        """Text -> token ids (int32 array). ``add_special`` adds BOS/EOS as the model asks."""
+        data = text.encode("utf-8")
+        n_max = len(data) + 16
+        while True:
+            out = ffi.new("llama_token[]", n_max)
+            n = lib.llama_tokenize(self._live_vocab(), data, len(data), out, n_max, add_special, parse_special)
+            if n >= 0:
+                return np.frombuffer(ffi.buffer(out, 4 * n), dtype=np.int32).copy()
+            if n == -(2**31):
+                raise LlamaError("tokenization overflowed int32", op="llama_tokenize", code=n)
+            n_max = -n
+
+    def detokenize(self, tokens: Iterable[int], *, remove_special: bool = False,
+                   unparse_special: bool = False) -> str:
+        """Token ids -> text (invalid UTF-8 sequences are replaced)."""
+        ids = self._checked_tokens(tokens)
+        arr = ffi.new("llama_token[]", ids.tolist())
+        size = max(16, 8 * len(ids))
+        while True:
+            buf = ffi.new("char[]", size)
+            n = lib.llama_detokenize(self._live_vocab(), arr, len(ids), buf, size, remove_special, unparse_special)
+            if n >= 0:
+                return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
+            size = -n
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        """One token's bytes (a piece may be part of a UTF-8 sequence)."""
+        self._checked_tokens([token])
+        size = 32
+        while True:
+            buf = ffi.new("char[]", size)
+            n = lib.llama_token_to_piece(self._live_vocab(), int(token), buf, size, 0, special)
+            if n >= 0:
+                return ffi.buffer(buf, n)[:]
+            size = -n
+
+    def is_eog(self, token: int) -> bool:
+        """True for end-of-generation tokens (EOS, EOT, ...)."""
+        return bool(lib.llama_vocab_is_eog(self._live_vocab(), int(token)))
+
+    @property
+    def special_tokens(self) -> dict[str, int]:
+        """bos, eos, eot, nl, pad, mask ids (-1 where the vocabulary has none)."""
+        v = self._live_vocab()
+        return {"bos": lib.llama_vocab_bos(v), "eos": lib.llama_vocab_eos(v), "eot": lib.llama_vocab_eot(v),
+                "nl": lib.llama_vocab_nl(v), "pad": lib.llama_vocab_pad(v), "mask": lib.llama_vocab_mask(v)}
+
+    @property
+    def has_vocab(self) -> bool:
+        return lib.llama_vocab_type(self._live_vocab()) != lib.LLAMA_VOCAB_TYPE_NONE
+
+    @property
+    def chat_template(self) -> str | None:
+        ptr = lib.llama_model_chat_template(self.ptr, ffi.NULL)
+        return None if ptr == ffi.NULL else ffi.string(ptr).decode("utf-8", "replace")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_assistant: bool = True,
+                            template: str | None = None) -> str:
+        """Format chat messages ({"role", "content"}) with the model's (or the given) template.
+
+        Raises:
+            ValueError: no template, or llama.cpp does not support the template.
+        """
+        tmpl = template if template is not None else self.chat_template
+        if tmpl is None:
+            raise ValueError(f"model {self.path.name} has no chat template; pass template=")
+        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        chat = ffi.new("llama_chat_message[]", len(keep))
+        for slot, (role, content) in zip(chat, keep):
+            slot.role, slot.content = ffi.from_buffer(role + b"\0"), ffi.from_buffer(content + b"\0")
+        size = 2 * sum(len(r) + len(c) for r, c in keep) + 256
+        for _ in range(2):
+            buf = ffi.new("char[]", size)
+            n = lib.llama_chat_apply_template(tmpl.encode(), chat, len(keep), add_assistant, buf, size)
+            if n < 0:
+                raise ValueError("llama.cpp does not support this chat template")
+            if n <= size:
+                return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
+            size = n
+        raise ValueError("chat template output size kept changing")  # pragma: no cover
+
+    # --- helpers -----------------------------------------------------------------------
+    def _live_vocab(self):
+        self.ptr  # raises once closed: the vocab belongs to the model
+        return self._vocab
+
+    def _checked_tokens(self, tokens: Iterable[int]) -> np.ndarray:
+        ids = np.asarray(list(tokens) if not isinstance(tokens, np.ndarray) else tokens, dtype=np.int64)
+        n_vocab = self.n_vocab
+        bad = ids[(ids < 0) | (ids >= n_vocab)]
+        if bad.size:
+            raise InvalidBatchError(f"token id {int(bad[0])} out of range [0, {n_vocab})", op="tokens")
+        return ids.astype(np.int32)
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {str(path)!r}")
+    if not path.is_file():
+        raise ModelLoadError(f"not a file: {str(path)!r}", op="open")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ModelLoadError(f"{str(path)!r} is not a GGUF file (magic {magic!r})", op="open")
+
+
+def _read_string(call, size: int = 256) -> str | None:
+    """Call a llama.cpp 'write into buf, return needed length' function; None if it returns < 0."""
+    buf = ffi.new("char[]", size)
+    n = call(buf, size)
+    if n < 0:
+        return None
+    if n >= size:
+        buf = ffi.new("char[]", n + 1)
+        call(buf, n + 1)
+    return ffi.string(buf).decode("utf-8", "replace")

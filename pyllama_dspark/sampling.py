@@ -1,0 +1,82 @@
+"""Sampling: logits -> next token, pure numpy.
+
+The transform order matches llama.cpp's common chain for the knobs we expose:
+top-k, then temperature, then top-p (nucleus) over the renormalised
+distribution. Temperature 0 is exact greedy (first index of the maximum, as
+llama.cpp's greedy sampler does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Args:
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
+        top_k: keep the k most likely tokens (0 = all).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = all).
+        seed: seed of the random generator (None = nondeterministic).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution a sampler with these params draws from (float64, sums to 1)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        out = np.zeros_like(logits)
+        out[int(np.argmax(logits))] = 1.0
+        return out
+    scaled = np.full_like(logits, -np.inf)
+    keep = np.arange(len(logits))
+    if 0 < params.top_k < len(logits):
+        keep = np.argpartition(-logits, params.top_k - 1)[: params.top_k]
+    scaled[keep] = logits[keep] / params.temperature
+    probs = np.exp(scaled - scaled[keep].max())
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        cut = int(np.searchsorted(cumulative, params.top_p)) + 1  # smallest prefix reaching top_p
+        probs[order[cut:]] = 0.0
+        probs /= probs.sum()
+    return probs
+
+
+class Sampler:
+    """Draws tokens from logits with fixed params and its own seeded generator."""
+
+    def __init__(self, params: SamplingParams | None = None):
+        self.params = params or SamplingParams()
+        self.rng = np.random.default_rng(self.params.seed)
+
+    def __call__(self, logits: np.ndarray) -> int:
+        if self.params.greedy:
+            return int(np.argmax(logits))
+        return self.draw(probabilities(logits, self.params))
+
+    def draw(self, probs: np.ndarray) -> int:
+        """One index from a probability vector (inverse CDF on one uniform)."""
+        cumulative = np.cumsum(probs)
+        r = self.rng.random() * cumulative[-1]
+        return int(min(np.searchsorted(cumulative, r, side="right"), len(probs) - 1))

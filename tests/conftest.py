@@ -1,0 +1,24 @@
+"""Shared fixtures: tiny deterministic models built once per session by the kit."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyllama_dspark.testing import TinySpec, tiny_model
+
+ARCHS = ["llama", "qwen3", "qwen35"]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def make_model(model_dir):
+    """make_model(arch=..., vocab=..., ...) -> path of a tiny GGUF, built once per spec."""
+
+    def build(**fields):
+        return tiny_model(TinySpec(**fields), cache_dir=model_dir)
+
+    return build

@@ -1,0 +1,185 @@
+"""Bad input raises the documented exception and the interpreter survives.
+
+Each case that could reach native code runs in a subprocess too, so an abort
+(a signal) would fail the test instead of killing the test runner.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pyllama_dspark import (
+    Batch,
+    ClosedHandleError,
+    Context,
+    InvalidBatchError,
+    KvCacheFullError,
+    MemoryOpError,
+    Model,
+    ModelLoadError,
+)
+
+
+def run_isolated(code: str) -> subprocess.CompletedProcess:
+    """Run code in a fresh interpreter; it must exit normally (status 0), never by a signal."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
+    assert proc.returncode == 0, f"status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def llama_path(make_model):
+    return make_model(arch="llama")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        Model(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "text.gguf"
+    path.write_text("hello, I am not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        Model(path)
+
+
+@pytest.mark.parametrize("keep", [0.05, 0.5, 0.97])
+def test_truncated_gguf(tmp_path, llama_path, keep):
+    data = llama_path.read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: int(len(data) * keep)])
+    proc = run_isolated(f"""
+        import pyllama_dspark as p
+        try:
+            p.Model({str(path)!r})
+        except p.ModelLoadError as exc:
+            print("raised", exc.op, len(exc.log_tail))
+    """)
+    assert "raised llama_model_load_from_file" in proc.stdout
+
+
+def test_corrupt_gguf_header(tmp_path, llama_path):
+    data = bytearray(llama_path.read_bytes())
+    data[8:16] = (2**62).to_bytes(8, "little")  # absurd tensor count
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(bytes(data))
+    proc = run_isolated(f"""
+        import pyllama_dspark as p
+        try:
+            p.Model({str(path)!r})
+        except p.ModelLoadError as exc:
+            print("raised", bool(exc.log_tail))
+    """)
+    assert "raised True" in proc.stdout
+
+
+@pytest.fixture
+def ctx(llama_path):
+    model = Model(llama_path)
+    context = Context(model, n_ctx=64, n_batch=16)
+    yield context
+    model.close()
+
+
+def test_token_out_of_range(ctx):
+    batch = Batch(4)
+    batch.add(ctx.model.n_vocab, 0, logits=True)
+    with pytest.raises(InvalidBatchError, match="out of range"):
+        ctx.decode(batch)
+    with pytest.raises(InvalidBatchError):
+        Batch(2).add(-5, 0)
+
+
+def test_batch_larger_than_n_batch(ctx):
+    batch = Batch(32)
+    batch.add_tokens(np.arange(20), 0)
+    with pytest.raises(InvalidBatchError, match="exceeds n_batch=16"):
+        ctx.decode(batch)
+    with pytest.raises(InvalidBatchError, match="capacity"):
+        Batch(2).add_tokens([1, 2, 3], 0)
+
+
+def test_context_overflow(ctx):
+    batch = Batch(16)
+    pos = 0
+    with pytest.raises(KvCacheFullError) as info:
+        for _ in range(10):
+            batch.clear()
+            batch.add_tokens(np.arange(16) % 7, pos)
+            ctx.decode(batch)
+            pos += 16
+    assert info.value.code == 1
+    assert pos == 64  # the 5th batch of 16 was the one without room
+    # The context is still usable after the failed decode.
+    ctx.seq_rm(0, 32, -1)
+    batch.clear()
+    batch.add_tokens([1, 2, 3], 32)
+    ctx.decode(batch)
+
+
+def test_seq_rm_the_memory_cannot_honour(make_model):
+    with Model(make_model(arch="qwen35")) as model:
+        ctx = Context(model, n_ctx=64, n_batch=16)  # no recurrent snapshots (n_rs_seq=0)
+        batch = Batch(16)
+        batch.add_tokens(np.arange(8), 0)
+        ctx.decode(batch)
+        with pytest.raises(MemoryOpError, match="cannot remove"):
+            ctx.seq_rm(0, 4, -1)
+        ctx.seq_rm(0)  # a whole sequence can always go
+        assert ctx.seq_pos_max(0) == -1
+
+
+def test_use_after_close(llama_path):
+    model = Model(llama_path)
+    ctx = Context(model, n_ctx=32, n_batch=8)
+    batch = Batch(4)
+    batch.add(1, 0, logits=True)
+    ctx.decode(batch)
+    model.close()  # closes the context first
+    assert ctx.closed
+    with pytest.raises(ClosedHandleError):
+        ctx.decode(batch)
+    with pytest.raises(ClosedHandleError):
+        ctx.logits()
+    with pytest.raises(ClosedHandleError):
+        model.n_vocab
+    with pytest.raises(ClosedHandleError):
+        Context(model)
+    model.close()  # idempotent
+    batch.close()
+    with pytest.raises(ClosedHandleError):
+        batch.add(1, 0)
+
+
+def test_logits_of_a_row_without_output(ctx):
+    batch = Batch(4)
+    batch.add_tokens([1, 2, 3], 0, logits="last")
+    ctx.decode(batch)
+    ctx.logits(2)
+    with pytest.raises(IndexError, match="no logits"):
+        ctx.logits(0)
+    with pytest.raises(IndexError):
+        ctx.logits(7)
+
+
+def test_bad_context_sizes(llama_path):
+    with Model(llama_path) as model:
+        with pytest.raises(ValueError, match="n_batch"):
+            Context(model, n_batch=0)
+        with pytest.raises(ValueError, match="n_ubatch"):
+            Context(model, n_batch=8, n_ubatch=16)
+
+
+def test_bad_sequence_ids(ctx):
+    batch = Batch(2)
+    batch.add(1, 0, seq_id=3)
+    with pytest.raises(InvalidBatchError, match="sequence id"):
+        ctx.decode(batch)
+    with pytest.raises(ValueError):
+        ctx.seq_rm(5)
