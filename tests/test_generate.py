@@ -56,12 +56,12 @@ def test_streaming_yields_the_same_tokens(make_model):
 
 def test_generation_stops_at_the_end_of_the_context(make_model):
     with Model(make_model(arch="llama")) as model:
-        ctx = Context(model, n_ctx=32)
-        result = generate(ctx, PROMPT_IDS, max_tokens=100, stop_at_eog=False)
+        ctx = Context(model, n_ctx=32)  # llama.cpp rounds n_ctx up; ctx.n_ctx is the real size
+        result = generate(ctx, PROMPT_IDS, max_tokens=ctx.n_ctx + 100, stop_at_eog=False)
         assert result.stop_reason == "n_ctx"
         assert len(PROMPT_IDS) + len(result.tokens) == ctx.n_ctx + 1  # the last token is sampled, not decoded
         with pytest.raises(ValueError, match="does not fit"):
-            generate(ctx, list(range(1, 40)), max_tokens=4)
+            generate(ctx, [t % 200 + 1 for t in range(ctx.n_ctx)], max_tokens=4)
         with pytest.raises(ValueError, match="empty prompt"):
             generate(ctx, [], max_tokens=4)
 
