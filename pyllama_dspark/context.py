@@ -1,8 +1,9 @@
 """Context: a model's inference state (KV cache / recurrent state) and decode.
 
-View lifetime: ``logits()`` returns numpy views over llama.cpp's output
-buffer. A view is valid only until the next ``decode`` on the same context
-(or its close); call ``.copy()`` to keep the numbers.
+View lifetime: ``logits()``, ``capture()``, ``capture_row()`` and
+``layer_input()`` return numpy views over llama.cpp's output buffer. A view is
+valid only until the next ``decode`` on the same context (or its close, or a
+change of what is captured); call ``.copy()`` to keep the numbers.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import numpy as np
 from . import _log
 from ._lib import ffi, lib
 from ._owned import Owned
+from . import capture as _capture
 from .batch import Batch, EmbdBatch
-from .errors import ContextInitError, InvalidBatchError, MemoryOpError, decode_error
+from .errors import CaptureError, ContextInitError, InvalidBatchError, MemoryOpError, decode_error
 from .model import Model
+
+
+_KV_TYPES = {"f16": lib.GGML_TYPE_F16, "f32": lib.GGML_TYPE_F32}
 
 
 def default_threads() -> int:
@@ -37,6 +42,9 @@ class Context(Owned):
         n_rs_seq: recurrent-state snapshots per sequence, so a hybrid/recurrent model can drop
             up to that many trailing tokens with ``seq_rm`` (0 = no partial removal).
         ctx_other: a context this one reads from (a draft model's target context).
+        kv_type: "f16" (llama.cpp's default) or "f32" KV cache; f32 costs twice the memory and makes
+            attention match a float reference more closely.
+        flash_attn: None lets llama.cpp decide (its default), True/False forces flash attention on/off.
 
     Raises:
         ValueError: a size is not positive or n_ubatch > n_batch.
@@ -45,13 +53,16 @@ class Context(Owned):
 
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_seq_max: int = 1, n_threads: int | None = None, n_threads_batch: int | None = None,
-                 n_rs_seq: int = 0, ctx_other: "Context | None" = None):
+                 n_rs_seq: int = 0, ctx_other: "Context | None" = None, kv_type: str = "f16",
+                 flash_attn: bool | None = None):
         n_ubatch = n_batch if n_ubatch is None else n_ubatch
         _check_sizes(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max)
         if n_ubatch > n_batch:
             raise ValueError(f"n_ubatch ({n_ubatch}) must not exceed n_batch ({n_batch})")
         if n_rs_seq < 0:
             raise ValueError(f"n_rs_seq must be >= 0, got {n_rs_seq}")
+        if kv_type not in _KV_TYPES:
+            raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
         self.model = model
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_ubatch
@@ -59,6 +70,9 @@ class Context(Owned):
         params.n_threads = n_threads or default_threads()
         params.n_threads_batch = n_threads_batch or params.n_threads
         params.ctx_other = ctx_other.ptr if ctx_other is not None else ffi.NULL
+        params.type_k = params.type_v = _KV_TYPES[kv_type]
+        params.flash_attn_type = {None: lib.LLAMA_FLASH_ATTN_TYPE_AUTO, True: lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                  False: lib.LLAMA_FLASH_ATTN_TYPE_DISABLED}[flash_attn]
         _log.clear()
         ptr = lib.llama_init_from_model(model.ptr, params)
         if ptr == ffi.NULL:
@@ -71,6 +85,9 @@ class Context(Owned):
         self._n_vocab = model.n_vocab
         self._outputs = np.zeros(0, dtype=np.int64)  # batch indices with logits in the last decode
         self._n_last = 0
+        self._capture_ids: list[int] = []
+        self._capture_masked = False
+        self._layer_inputs: set[int] = set()
 
     def _free(self, ptr) -> None:
         lib.llama_free(ptr)
@@ -119,6 +136,7 @@ class Context(Owned):
         else:
             rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_DECODE, batch.ptr)
         self._outputs = np.zeros(0, dtype=np.int64)
+        self._n_last = 0
         if rc != 0:
             raise decode_error(rc, "llama_decode", _log.tail())
         self._outputs = batch.output_indices
@@ -142,9 +160,10 @@ class Context(Owned):
 
     # --- outputs -----------------------------------------------------------------------
     def logits(self, i: int = -1) -> np.ndarray:
-        """Logits [n_vocab] of batch index i of the last decode (negative counts from the end).
+        """Logits [n_vocab] of batch index i of the last decode.
 
-        The row must have been flagged for output. The view is valid until the next decode.
+        i >= 0 is a batch index whose logits flag was set; i < 0 counts output rows from the end
+        (-1: the last row with logits), as llama_get_logits_ith does. Valid until the next decode.
         """
         row = self._resolve_output(i)
         ptr = lib.llama_get_logits_ith(self.ptr, int(row))
@@ -166,11 +185,102 @@ class Context(Owned):
         return self._outputs
 
     def _resolve_output(self, i: int) -> int:
+        """Batch index of i, resolved like llama_get_logits_ith: i >= 0 is a batch index that must have
+        logits; i < 0 counts output rows from the end."""
         self.ptr
-        idx = i + self._n_last if i < 0 else i
-        if idx < 0 or idx >= self._n_last or idx not in self._outputs:
-            raise IndexError(f"batch index {i} has no logits (outputs of the last decode: {self._outputs.tolist()})")
-        return idx
+        outputs = self._outputs
+        if i < 0:
+            if -i > len(outputs):
+                raise IndexError(f"output index {i} out of range: the last decode has {len(outputs)} outputs")
+            return int(outputs[i])
+        if i >= self._n_last or i not in outputs:
+            raise IndexError(f"batch index {i} has no logits (outputs of the last decode: {outputs.tolist()})")
+        return i
+
+    # --- hidden-state capture (see capture.py) ---------------------------------------------
+    def set_capture_layers(self, layer_ids, *, masked: bool = False) -> None:
+        """Capture the outputs of these layers (HF ``hidden_states[id + 1]``) on every following decode.
+
+        Args:
+            layer_ids: layer ids in row order, each in [0, n_layer); ``[]`` turns capture off.
+            masked: rows only for tokens with the logits flag (True) or for every token (False).
+
+        Raises:
+            CaptureError: (a ValueError) out-of-range or duplicate ids, too many layers, an architecture
+                without taps; ``code`` is the native llama_dspark_capture_status.
+        """
+        ids = _capture.check_layer_ids(layer_ids, n_layer=self.model.n_layer, arch=self.model.arch)
+        arr = ffi.new("int32_t[]", ids or [0])
+        _log.clear()
+        rc = lib.llama_set_capture_layers(self.ptr, arr, len(ids), bool(masked))
+        if rc != 0:
+            raise _capture.status_error(rc, ids, _log.tail())
+        self._capture_ids, self._capture_masked = ids, bool(masked)
+
+    @property
+    def capture_layers(self) -> list[int]:
+        return list(self._capture_ids)
+
+    @property
+    def capture_width(self) -> int:
+        return len(self._capture_ids) * self.model.n_embd
+
+    def capture(self) -> np.ndarray:
+        """Captured rows of the last decode, [n_rows, n_capture * n_embd] (a view; see module doc).
+
+        Raises:
+            CaptureError: capture is off, or the last decode produced no rows (it failed, or masked
+                capture with no logits flag set).
+        """
+        n_rows = self._capture_rows()
+        ptr = lib.llama_get_embeddings_capture(self.ptr)
+        return np.frombuffer(ffi.buffer(ptr, 4 * n_rows * self.capture_width), dtype=np.float32).reshape(n_rows, -1)
+
+    def capture_row(self, i: int) -> np.ndarray:
+        """The captured row of batch index i of the last decode (negative i counts from the end).
+
+        Raises:
+            IndexError: no row for that index (out of range, or masked capture and logits off there).
+        """
+        n_rows = self._capture_rows()
+        if self._capture_masked:
+            i = self._resolve_output(i)
+        elif not -n_rows <= i < n_rows:
+            raise IndexError(f"batch index {i} outside the {n_rows} captured rows")
+        ptr = lib.llama_get_embeddings_capture_ith(self.ptr, int(i))
+        if ptr == ffi.NULL:
+            raise IndexError(f"no captured row for batch index {i}")
+        return np.frombuffer(ffi.buffer(ptr, 4 * self.capture_width), dtype=np.float32)
+
+    def _capture_rows(self) -> int:
+        if not self._capture_ids:
+            raise CaptureError("capture is off: call set_capture_layers first", op="capture")
+        n_rows = lib.llama_get_capture_n_rows(self.ptr)
+        if n_rows <= 0:
+            raise CaptureError("the last decode captured no rows", op="capture")
+        return n_rows
+
+    def set_narrowing(self, enabled: bool) -> None:
+        """Run the last layer's tail on output rows only (default). False restores upstream's dense
+        qwen35 path; for benchmarks."""
+        lib.llama_dspark_set_narrowing(self.ptr, bool(enabled))
+
+    def set_layer_input(self, layer: int, enabled: bool = True) -> None:
+        """Upstream's per-layer extraction of the *input* of layer ``layer`` (0..n_layer), dense."""
+        if not 0 <= layer <= self.model.n_layer:
+            raise ValueError(f"layer {layer} outside [0, {self.model.n_layer}]")
+        lib.llama_dspark_set_embeddings_layer_inp(self.ptr, layer, bool(enabled))
+        (self._layer_inputs.add if enabled else self._layer_inputs.discard)(layer)
+
+    def layer_input(self, layer: int) -> np.ndarray:
+        """Rows [n_tokens of the last decode, n_embd] of the input of ``layer`` (a view)."""
+        if layer not in self._layer_inputs:
+            raise ValueError(f"extraction of layer {layer} is not enabled (set_layer_input)")
+        ptr = lib.llama_dspark_get_embeddings_layer_inp(self.ptr, layer)
+        if ptr == ffi.NULL or self._n_last == 0:
+            raise CaptureError(f"no extracted input for layer {layer}", op="layer_input", log_tail=_log.tail())
+        n_embd = self.model.n_embd
+        return np.frombuffer(ffi.buffer(ptr, 4 * self._n_last * n_embd), dtype=np.float32).reshape(-1, n_embd)
 
     # --- memory ------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:

@@ -13,7 +13,7 @@ seen before the failing call (see ``_log``).
         InvalidBatchError(ValueError)    rc -1, or rejected in Python before the call
         FatalDecodeError                 rc < -1
       MemoryOpError                      a memory operation the cache cannot honour (seq_rm)
-      CaptureError                       hidden-state capture misuse
+      CaptureError(ValueError)           hidden-state capture misuse (code: llama_dspark_capture_status)
     ClosedHandleError(ValueError)        use of a closed Model / Context / Batch
     LibraryMismatchError(ImportError)    the loaded libllama is not the one this package was built with
 """
@@ -73,8 +73,9 @@ class MemoryOpError(LlamaError):
     on a recurrent model without rollback snapshots)."""
 
 
-class CaptureError(LlamaError):
-    """Hidden-state capture was misconfigured or read without data."""
+class CaptureError(LlamaError, ValueError):
+    """Hidden-state capture was misconfigured (``code`` is the llama_dspark_capture_status) or read
+    without data."""
 
 
 class ClosedHandleError(ValueError):

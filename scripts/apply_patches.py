@@ -2,10 +2,12 @@
 """Apply the patches/ series to vendor/llama.cpp, idempotently.
 
 A stamp file in the vendored tree records the hash of (base commit, series,
-patch bytes). When it matches, nothing happens. When the tree carries another
-stamp (an older series), it is re-extracted pristine first. Each patch is
-checked with ``git apply --check`` before anything is written, so a patch that
-no longer applies leaves the tree untouched and names itself.
+patch bytes) and the source. When it matches, nothing happens. Otherwise the
+pristine base is extracted into a staging folder, every patch is checked with
+``git apply --check`` and applied there, and only files whose bytes differ are
+copied into vendor/llama.cpp, so an incremental build recompiles only what the
+series changed. A patch that no longer applies leaves vendor/ untouched and
+names itself.
 
 Works outside a git checkout (sdists have none): ``git apply`` is run with
 discovery of an enclosing repository disabled.
@@ -19,8 +21,10 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,29 +74,55 @@ To refresh the series against the pinned base:
 
 
 def apply_series(vendor: Path) -> str:
+    """Make ``vendor`` the pinned base with the series applied; returns the series hash.
+
+    The patched tree is built in a staging folder and only files whose bytes differ are written
+    into ``vendor``, so a changed series rebuilds only what it touches.
+    """
     wanted = series_hash()
     stamp = vendor / STAMP
-    if stamp.exists():
-        if stamp.read_text().strip() == wanted:
-            return wanted
-        vendor_llama_cpp.ensure_vendor(vendor, force=True)
-    vendor_llama_cpp.ensure_vendor(vendor)
-    # Check every patch on top of its predecessors before touching the tree: apply as we go,
-    # and undo what we applied if a later one fails.
-    applied: list[Path] = []
-    for patch in series():
-        check = _git_apply(vendor, patch, "--check")
-        if check.returncode != 0:
-            for done in reversed(applied):
-                _git_apply(vendor, done, "-R")
-            sys.exit(_recovery_text(patch, check.stderr + check.stdout))
-        result = _git_apply(vendor, patch)
-        if result.returncode != 0:
-            sys.exit(_recovery_text(patch, result.stderr + result.stdout))
-        applied.append(patch)
-    stamp.write_text(wanted + "\n")
-    print(f"apply_patches: applied {len(applied)} patches (series {wanted})", file=sys.stderr)
+    identity = vendor_llama_cpp.source_identity(vendor_llama_cpp.load_pin())
+    if stamp.exists() and stamp.read_text().split() == [wanted, identity]:
+        return wanted
+    vendor.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".llama.cpp-patching-", dir=vendor.parent))
+    try:
+        tree = vendor_llama_cpp.ensure_vendor(staging / "tree", force=True)
+        for patch in series():
+            check = _git_apply(tree, patch, "--check")
+            if check.returncode != 0:
+                sys.exit(_recovery_text(patch, check.stderr + check.stdout))
+            result = _git_apply(tree, patch)
+            if result.returncode != 0:
+                sys.exit(_recovery_text(patch, result.stderr + result.stdout))
+        n_changed = _sync(tree, vendor)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    stamp.write_text(f"{wanted}\n{identity}\n")
+    print(f"apply_patches: series {wanted} applied ({len(series())} patches, {n_changed} files written)",
+          file=sys.stderr)
     return wanted
+
+
+def _sync(src: Path, dst: Path) -> int:
+    """Mirror src into dst, writing only files whose content differs (their mtimes drive rebuilds)."""
+    changed = 0
+    wanted = set()
+    for path in src.rglob("*"):
+        rel = path.relative_to(src)
+        wanted.add(rel)
+        target = dst / rel
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif not target.is_file() or target.read_bytes() != path.read_bytes():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            changed += 1
+    for path in sorted(dst.rglob("*"), reverse=True):  # children before their folders
+        rel = path.relative_to(dst)
+        if rel not in wanted and rel.name != STAMP:
+            path.unlink() if path.is_file() or path.is_symlink() else shutil.rmtree(path, ignore_errors=True)
+    return changed
 
 
 def main() -> None:

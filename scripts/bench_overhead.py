@@ -29,8 +29,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 
 def cpp_us_per_token(exe: Path, model: Path, n_predict: int) -> tuple[float, int]:
     proc = subprocess.run([str(exe), "-m", str(model), "-n", str(n_predict), PROMPT],
-                          capture_output=True, text=True, check=True)
-    match = re.search(r"decoded (\d+) tokens in ([\d.]+) s", proc.stderr)
+                          capture_output=True, check=True)  # bytes: a random model's pieces need not be UTF-8
+    match = re.search(r"decoded (\d+) tokens in ([\d.]+) s", proc.stderr.decode("utf-8", "replace"))
     n, seconds = int(match.group(1)), float(match.group(2))
     return 1e6 * seconds / n, n
 

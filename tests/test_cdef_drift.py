@@ -25,15 +25,18 @@ def normalize(text: str) -> str:
 
 
 def declarations(fragment: str) -> list[str]:
-    """Statements of a fragment; a struct body is checked field by field (it may hold `...`)."""
+    """Statements of a fragment; struct and enum bodies are checked member by member (they may hold `...`)."""
     out = []
     for stmt in normalize(fragment).split(";"):
         if not stmt or stmt == "...":
             continue
-        if stmt.startswith(("struct", "typedef struct")) and "{" in stmt:
-            opener, _, first_field = stmt.partition("{")
+        if stmt.startswith(("struct", "typedef struct", "enum")) and "{" in stmt:
+            opener, _, body = stmt.partition("{")
             out.append(opener + "{")
-            stmt = first_field
+            if opener.startswith("enum"):
+                out += [entry + "," for entry in body.rstrip("}").split(",") if entry and entry != "..."]
+                continue
+            stmt = body
         if stmt:
             out.append(stmt + ";")
     return out

@@ -6,3 +6,22 @@ int32_t llama_dspark_model_target_layers(const struct llama_model * model, int32
 struct llama_context * llama_dspark_get_ctx_other(struct llama_context * ctx);
 int32_t llama_dspark_set_embeddings_layer_inp(struct llama_context * ctx, int32_t lid, bool value);
 float * llama_dspark_get_embeddings_layer_inp(struct llama_context * ctx, int32_t lid);
+
+enum llama_dspark_capture_status {
+    LLAMA_DSPARK_CAPTURE_OK                =  0,
+    LLAMA_DSPARK_CAPTURE_ERR_LAYER_RANGE   = -1,
+    LLAMA_DSPARK_CAPTURE_ERR_DUPLICATE     = -2,
+    LLAMA_DSPARK_CAPTURE_ERR_TOO_MANY      = -3,
+    LLAMA_DSPARK_CAPTURE_ERR_ARCH          = -4,
+    LLAMA_DSPARK_CAPTURE_ERR_NULL          = -5,
+    LLAMA_DSPARK_CAPTURE_ERR_CONTEXT_TYPE  = -6,
+};
+
+#define LLAMA_DSPARK_MAX_CAPTURE_LAYERS 64
+
+int32_t llama_set_capture_layers(struct llama_context * ctx, const int32_t * layer_ids, int32_t n, bool masked);
+int32_t llama_get_n_capture(const struct llama_context * ctx);
+int32_t llama_get_capture_n_rows(struct llama_context * ctx);
+float * llama_get_embeddings_capture(struct llama_context * ctx);
+float * llama_get_embeddings_capture_ith(struct llama_context * ctx, int32_t i);
+void llama_dspark_set_narrowing(struct llama_context * ctx, bool enabled);

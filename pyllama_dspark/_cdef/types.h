@@ -19,6 +19,12 @@ enum ggml_log_level {
     GGML_LOG_LEVEL_CONT  = 5,
 };
 
+enum ggml_type {
+    GGML_TYPE_F32     = 0,
+    GGML_TYPE_F16     = 1,
+    ...
+};
+
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 
 enum llama_vocab_type {
@@ -51,6 +57,12 @@ struct llama_model_params {
     ...;
 };
 
+enum llama_flash_attn_type {
+    LLAMA_FLASH_ATTN_TYPE_AUTO     = -1,
+    LLAMA_FLASH_ATTN_TYPE_DISABLED = 0,
+    LLAMA_FLASH_ATTN_TYPE_ENABLED  = 1,
+};
+
 struct llama_context_params {
     uint32_t n_ctx;
     uint32_t n_batch;
@@ -59,6 +71,9 @@ struct llama_context_params {
     uint32_t n_rs_seq;
     int32_t  n_threads;
     int32_t  n_threads_batch;
+    enum llama_flash_attn_type   flash_attn_type;
+    enum ggml_type type_k;
+    enum ggml_type type_v;
     bool embeddings;
     bool no_perf;
     struct llama_context * ctx_other;

@@ -1,0 +1,215 @@
+"""Independent float64 numpy forward pass of the tiny ``llama`` and ``qwen3`` target models.
+
+The math mirrors the vendored llama.cpp graphs (``src/models/llama.cpp`` and
+``src/models/qwen3.cpp``) for the models ``pyllama_dspark.testing`` writes:
+
+* pre-norm decoder layers: ``h = x + attn(rms_norm(x) * attn_norm)``, then
+  ``out = h + ffn(rms_norm(h) * ffn_norm)``; RMSNorm is ggml's
+  ``x / sqrt(mean(x**2) + eps)`` with ``eps = {arch}.attention.layer_norm_rms_epsilon``;
+* grouped-query attention (query head ``j`` reads KV head ``j // (n_head / n_head_kv)``),
+  causal over positions ``0..n_tokens-1``, scores scaled by ``1/sqrt(head_dim)``;
+* qwen3 only: per-head RMSNorm of Q and K (``attn_q_norm``/``attn_k_norm``) before RoPE;
+* RoPE as ``ggml_rope_ext`` with ``n_dims = {arch}.rope.dimension_count`` and
+  ``theta_i = pos * freq_base**(-2i/n_dims)``: llama uses LLAMA_ROPE_TYPE_NORM
+  (rotates adjacent pairs ``(2i, 2i+1)``), qwen3 uses LLAMA_ROPE_TYPE_NEOX (rotates
+  ``(i, i + n_dims/2)``); dimensions past ``n_dims`` are left unrotated;
+* SwiGLU FFN ``down(silu(gate(x)) * up(x))``, final RMSNorm ``output_norm``, LM head
+  ``output`` (or ``token_embd`` when the file has no ``output`` tensor, i.e. tied).
+
+Weight matrices are in GGUFReader (numpy) order ``[out_features, in_features]``, so a
+projection is ``x @ W.T``. Everything is computed in float64.
+
+Agreement with llama.cpp on CPU is about 2e-4 to 7e-4 in max relative error (max |diff| /
+max |ref|) for logits and layer inputs, not float32 round-off: its KV cache is f16 and flash
+attention accumulates V in f16. Rounding V and the attention output to f16 here makes the
+first position (whose attention is its own V) agree to float32 round-off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import gguf
+import numpy as np
+
+from pyllama_dspark import testing
+from pyllama_dspark.testing import TinySpec, load_tiny_weights
+
+ARCHS = ("llama", "qwen3")
+# llama.cpp's rope type per architecture (llama_model_rope_type): NEOX rotates half-split pairs
+_ROPE_NEOX = {"llama": False, "qwen3": True}
+
+
+@dataclass
+class ForwardResult:
+    """Hidden states and logits of one forward pass over ``n_tokens`` tokens (float64)."""
+
+    layer_outputs: list[np.ndarray]  # n_layer x [n_tokens, n_embd]; == HF hidden_states[i + 1]
+    layer_inputs: list[np.ndarray]  # n_layer + 1 x [n_tokens, n_embd]; [0] = token embeddings
+    logits: np.ndarray  # [n_tokens, n_vocab]
+
+
+@dataclass(frozen=True)
+class _HParams:
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    eps: float
+    freq_base: float
+
+
+def _hparams(meta: Mapping[str, Any], arch: str) -> _HParams:
+    """Hyper-parameters from GGUF metadata, with llama.cpp's default head size n_embd / n_head.
+
+    eps and freq_base are rounded to float32, as llama.cpp holds them (and as the file stores them).
+    """
+    a = arch
+    n_head = int(meta[f"{a}.attention.head_count"])
+    head_dim = int(meta.get(f"{a}.attention.key_length", int(meta[f"{a}.embedding_length"]) // n_head))
+    return _HParams(
+        n_layer=int(meta[f"{a}.block_count"]),
+        n_head=n_head,
+        n_head_kv=int(meta.get(f"{a}.attention.head_count_kv", n_head)),
+        head_dim=head_dim,
+        n_rot=int(meta.get(f"{a}.rope.dimension_count", head_dim)),
+        eps=float(np.float32(meta[f"{a}.attention.layer_norm_rms_epsilon"])),
+        freq_base=float(np.float32(meta.get(f"{a}.rope.freq_base", 10000.0))),
+    )
+
+
+def _gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    reader = gguf.GGUFReader(path)
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("tokenizer.")}
+
+
+def _spec_metadata(spec: TinySpec) -> dict[str, Any]:
+    """The metadata the kit writes for ``spec`` (the same code path as write_tiny_model)."""
+    kvs = testing._common_kvs(spec, testing._derive_dims(spec))
+    return {key: value for key, value, _, _ in kvs} | {"general.architecture": spec.arch}
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def _rope(x: np.ndarray, n_rot: int, freq_base: float, neox: bool) -> np.ndarray:
+    """Rotate x [n_tokens, n_heads, head_dim] at positions 0..n_tokens-1 like ggml_rope_ext."""
+    n_tokens = x.shape[0]
+    theta = np.arange(n_tokens, dtype=np.float64)[:, None] * freq_base ** (-np.arange(0, n_rot, 2) / n_rot)
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    out = x.copy()
+    if neox:
+        a, b = x[..., : n_rot // 2], x[..., n_rot // 2 : n_rot]
+        out[..., : n_rot // 2], out[..., n_rot // 2 : n_rot] = a * cos - b * sin, a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2], out[..., 1:n_rot:2] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def _attention(x: np.ndarray, w: Mapping[str, np.ndarray], p: str, hp: _HParams, arch: str) -> np.ndarray:
+    n_tokens = x.shape[0]
+    q = (x @ w[p + "attn_q.weight"].T).reshape(n_tokens, hp.n_head, hp.head_dim)
+    k = (x @ w[p + "attn_k.weight"].T).reshape(n_tokens, hp.n_head_kv, hp.head_dim)
+    v = (x @ w[p + "attn_v.weight"].T).reshape(n_tokens, hp.n_head_kv, hp.head_dim)
+    if arch == "qwen3":
+        q = _rms_norm(q, w[p + "attn_q_norm.weight"], hp.eps)
+        k = _rms_norm(k, w[p + "attn_k_norm.weight"], hp.eps)
+    q = _rope(q, hp.n_rot, hp.freq_base, _ROPE_NEOX[arch])
+    k = _rope(k, hp.n_rot, hp.freq_base, _ROPE_NEOX[arch])
+    group = hp.n_head // hp.n_head_kv
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(hp.head_dim)
+    scores[:, ~np.tri(n_tokens, dtype=bool)] = -np.inf
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = np.einsum("hts,shd->thd", probs, v).reshape(n_tokens, hp.n_head * hp.head_dim)
+    return out @ w[p + "attn_output.weight"].T
+
+
+def _ffn(x: np.ndarray, w: Mapping[str, np.ndarray], p: str) -> np.ndarray:
+    gate = x @ w[p + "ffn_gate.weight"].T
+    return (gate / (1.0 + np.exp(-gate)) * (x @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
+
+
+def forward(path_or_weights, arch: str, tokens: Sequence[int], *, spec: TinySpec | None = None) -> ForwardResult:
+    """Run ``tokens`` (positions 0..n-1, one sequence) through a tiny llama/qwen3 model.
+
+    ``path_or_weights`` is a GGUF path, whose metadata supplies the hyper-parameters (``spec``
+    is then ignored), or a dict from ``load_tiny_weights``, in which case ``spec`` is required
+    and the hyper-parameters are those the kit writes for it.
+    """
+    if isinstance(path_or_weights, Mapping):
+        if spec is None:
+            raise ValueError("spec is required when weights are passed instead of a GGUF path")
+        return _forward(_spec_metadata(spec), path_or_weights, arch, tokens)
+    return _forward(_gguf_metadata(path_or_weights), load_tiny_weights(path_or_weights), arch, tokens)
+
+
+def _forward(meta: Mapping[str, Any], weights: Mapping[str, np.ndarray], arch: str,
+             tokens: Sequence[int]) -> ForwardResult:
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if meta.get("general.architecture", arch) != arch:
+        raise ValueError(f"model architecture is {meta['general.architecture']!r}, not {arch!r}")
+    hp = _hparams(meta, arch)
+    w = {name: np.asarray(value, dtype=np.float64) for name, value in weights.items()}
+
+    x = w["token_embd.weight"][np.asarray(tokens, dtype=np.int64)]
+    layer_inputs = [x]
+    for il in range(hp.n_layer):
+        p = f"blk.{il}."
+        h = x + _attention(_rms_norm(x, w[p + "attn_norm.weight"], hp.eps), w, p, hp, arch)
+        x = h + _ffn(_rms_norm(h, w[p + "ffn_norm.weight"], hp.eps), w, p)
+        layer_inputs.append(x)
+    head = w.get("output.weight", w["token_embd.weight"])
+    logits = _rms_norm(x, w["output_norm.weight"], hp.eps) @ head.T
+    return ForwardResult(layer_outputs=layer_inputs[1:], layer_inputs=layer_inputs, logits=logits)
+
+
+def greedy(path, arch: str, prompt: Sequence[int], n: int) -> list[int]:
+    """``n`` greedy (argmax) tokens after ``prompt``, recomputing the full forward pass each step."""
+    meta, weights = _gguf_metadata(path), load_tiny_weights(path)
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(np.argmax(_forward(meta, weights, arch, tokens).logits[-1])))
+    return tokens[len(prompt):]
+
+
+def _max_rel_err(ours: np.ndarray, theirs: np.ndarray) -> float:
+    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(ours)))
+
+
+if __name__ == "__main__":
+    from pyllama_dspark import Batch, Context, Model, generate
+
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, 256, size=12)]
+    for arch in ARCHS:
+        spec = TinySpec(arch=arch)
+        path = testing.tiny_model(spec, cache_dir="/tmp/ref-check")
+        ref = forward(path, arch, prompt)
+        same = forward(load_tiny_weights(path), arch, prompt, spec=spec)
+        assert np.array_equal(ref.logits, same.logits), "spec metadata differs from the file's"
+
+        model = Model(str(path))
+        ours = greedy(path, arch, prompt, 32)
+        theirs = list(generate(Context(model, n_ctx=256), prompt, max_tokens=32, stop_at_eog=False).tokens)
+        print(f"{arch}: greedy 32 tokens match llama.cpp: {ours == theirs}")
+        assert ours == theirs, f"greedy differs:\n  ours   {ours}\n  theirs {theirs}"
+
+        ctx = Context(model, n_ctx=256)
+        layers = list(range(1, spec.n_layer))
+        for layer in layers:
+            ctx.set_layer_input(layer)
+        batch = Batch(len(prompt))
+        batch.add_tokens(prompt, 0)
+        ctx.decode(batch)
+        errors = {"logits[-1]": _max_rel_err(ref.logits[-1], ctx.logits(-1))}
+        errors |= {f"layer_inputs[{il}]": _max_rel_err(ref.layer_inputs[il], ctx.layer_input(il)) for il in layers}
+        for name, err in errors.items():
+            print(f"  {name} max rel err: {err:.2e}")
+            assert err < 2e-3, f"{name} differs from llama.cpp (f16 KV cache explains < 1e-3)"

@@ -1,0 +1,36 @@
+"""The benchmark scripts run end to end at small sizes (their numbers are not asserted: machines are noisy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyllama_dspark.resources import tool_path
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def run_script(name: str, *args: str, tmp_path: Path) -> dict:
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(SCRIPTS / name), *args, "--json", str(out)], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_bench_prefill_small(tmp_path):
+    result = run_script("bench_prefill.py", "--n-layer", "3", "--n-embd", "64", "--n-prompt", "64",
+                        "--repeats", "1", tmp_path=tmp_path)
+    for key in ("dense_over_plain", "all_logits_over_dense", "narrowed_over_unnarrowed"):
+        assert result[key] > 0
+
+
+def test_bench_overhead_small(tmp_path):
+    if tool_path("llama-simple") is None:
+        pytest.skip("llama-simple not built (install with -C cmake.define.PYLLAMA_DSPARK_TOOLS=llama-simple)")
+    result = run_script("bench_overhead.py", "--n-predict", "32", "--repeats", "1", tmp_path=tmp_path)
+    assert result["cpp_us_per_token"] > 0 and result["ours_us_per_token"] > 0
