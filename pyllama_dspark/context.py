@@ -45,6 +45,9 @@ class Context(Owned):
         kv_type: "f16" (llama.cpp's default) or "f32" KV cache; f32 costs twice the memory and makes
             attention match a float reference more closely.
         flash_attn: None lets llama.cpp decide (its default), True/False forces flash attention on/off.
+        consistent_numerics: decode small batches (<= 64 tokens) with the same CPU kernels as single
+            tokens, so a batched verify reproduces token-by-token greedy decoding bit for bit (patch 0005).
+            On by default; prompt-sized batches keep the fast kernels.
 
     Raises:
         ValueError: a size is not positive or n_ubatch > n_batch.
@@ -54,7 +57,7 @@ class Context(Owned):
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_seq_max: int = 1, n_threads: int | None = None, n_threads_batch: int | None = None,
                  n_rs_seq: int = 0, ctx_other: "Context | None" = None, kv_type: str = "f16",
-                 flash_attn: bool | None = None):
+                 flash_attn: bool | None = None, consistent_numerics: bool = True):
         n_ubatch = n_batch if n_ubatch is None else n_ubatch
         _check_sizes(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max)
         if n_ubatch > n_batch:
@@ -80,6 +83,7 @@ class Context(Owned):
                                    log_tail=_log.tail())
         self._set_ptr(ptr)
         model._adopt(self)  # the native context must be freed before its model
+        lib.llama_dspark_set_consistent_numerics(ptr, bool(consistent_numerics))
         self.ctx_other = ctx_other
         self._mem = lib.llama_get_memory(ptr)
         self._n_vocab = model.n_vocab
@@ -88,6 +92,7 @@ class Context(Owned):
         self._capture_ids: list[int] = []
         self._capture_masked = False
         self._layer_inputs: set[int] = set()
+        self._causal = True
 
     def _free(self, ptr) -> None:
         lib.llama_free(ptr)
@@ -148,6 +153,8 @@ class Context(Owned):
             raise InvalidBatchError("empty batch", op="decode")
         if n > n_batch:
             raise InvalidBatchError(f"batch of {n} tokens exceeds n_batch={n_batch}", op="decode")
+        if not self._causal and n > self.n_ubatch:  # llama.cpp asserts: a non-causal batch is one ubatch
+            raise InvalidBatchError(f"non-causal batch of {n} tokens exceeds n_ubatch={self.n_ubatch}", op="decode")
         if isinstance(batch, Batch):
             tokens, seqs = batch.tokens, batch.seq_ids
             bad = tokens[(tokens < 0) | (tokens >= self._n_vocab)]
@@ -281,6 +288,24 @@ class Context(Owned):
             raise CaptureError(f"no extracted input for layer {layer}", op="layer_input", log_tail=_log.tail())
         n_embd = self.model.n_embd
         return np.frombuffer(ffi.buffer(ptr, 4 * self._n_last * n_embd), dtype=np.float32).reshape(-1, n_embd)
+
+    # --- draft-model switches ---------------------------------------------------------------
+    def set_causal_attn(self, causal: bool) -> None:
+        """Causal (default) or non-causal attention inside a batch (a DFlash/DSpark block is non-causal)."""
+        lib.llama_set_causal_attn(self.ptr, bool(causal))
+        self._causal = bool(causal)
+
+    def set_nextn(self, enabled: bool, *, masked: bool = True) -> None:
+        """Extraction of the "nextn" rows (a DSpark draft's per-slot confidence)."""
+        lib.llama_dspark_set_embeddings_nextn(self.ptr, bool(enabled), bool(masked))
+
+    def nextn_row(self, i: int) -> np.ndarray:
+        """The nextn row [n_embd] of batch index i of the last decode (a view)."""
+        row = self._resolve_output(i)
+        ptr = lib.llama_dspark_get_embeddings_nextn_ith(self.ptr, int(row))
+        if ptr == ffi.NULL:
+            raise IndexError(f"no nextn row for batch index {i} (is extraction on?)")
+        return np.frombuffer(ffi.buffer(ptr, 4 * self.model.n_embd), dtype=np.float32)
 
     # --- memory ------------------------------------------------------------------------
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:

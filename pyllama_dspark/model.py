@@ -103,6 +103,14 @@ class Model(Owned):
         lib.llama_model_desc(self.ptr, buf, 256)
         return ffi.string(buf).decode("utf-8", "replace")
 
+    @property
+    def target_layers(self) -> list[int]:
+        """A draft model's target layer ids as stored in its GGUF (layer *inputs*, HF id + 1); [] otherwise."""
+        n = lib.llama_dspark_model_n_target_layers(self.ptr)
+        out = ffi.new("int32_t[]", max(n, 1))
+        lib.llama_dspark_model_target_layers(self.ptr, out, n)
+        return [int(out[i]) for i in range(n)]
+
     # --- metadata ----------------------------------------------------------------------
     @property
     def arch(self) -> str:

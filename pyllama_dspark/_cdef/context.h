@@ -17,3 +17,4 @@ void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t 
 void llama_synchronize(struct llama_context * ctx);
 float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
+void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);

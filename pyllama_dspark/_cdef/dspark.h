@@ -25,3 +25,6 @@ int32_t llama_get_capture_n_rows(struct llama_context * ctx);
 float * llama_get_embeddings_capture(struct llama_context * ctx);
 float * llama_get_embeddings_capture_ith(struct llama_context * ctx, int32_t i);
 void llama_dspark_set_narrowing(struct llama_context * ctx, bool enabled);
+void llama_dspark_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+float * llama_dspark_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+void llama_dspark_set_consistent_numerics(struct llama_context * ctx, bool enabled);

@@ -1,0 +1,294 @@
+"""Drafters: the Drafter protocol and DSparkDrafter over the vendored dflash/DSpark graph.
+
+A drafter proposes a block of tokens after the last committed one and is told
+what the target committed. DSparkDrafter keeps the target's tapped hidden
+states for every committed position in its own KV cache (injected at their
+absolute positions) and drafts a whole block in one decode:
+
+    propose(anchor, pos): decode [anchor, mask x (B-1)] at positions pos..pos+B-1
+        (non-causal), read B slot logits (the Markov bias is applied in-graph
+        with the greedy chain prev_0 = anchor, prev_k = argmax of slot k-1),
+        then drop the block's own cells so only committed features remain.
+    observe(rows, pos0): inject the target's capture rows of newly committed
+        positions pos0.. (width n_taps * n_embd_target).
+
+Index conventions: the GGUF stores ``dflash.target_layers`` as layer *inputs*
+(HF id + 1); the capture API takes layer *outputs* (HF id). ``capture_layers``
+is the list to pass to ``Context.set_capture_layers`` on the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from .batch import Batch
+from .context import Context
+from .errors import LlamaError
+from .model import Model
+
+
+class DrafterError(LlamaError, ValueError):
+    """The drafter GGUF cannot serve this target (incompatible sizes, taps, vocabulary)."""
+
+
+@dataclass
+class Draft:
+    """A proposed block.
+
+    Attributes:
+        tokens: draft token ids, slot order (slot k predicts the token after slot k-1's).
+        logits: [len(tokens), n_vocab] post-Markov slot logits (a copy), or None.
+        confidence: [len(tokens)] per-slot acceptance estimate, or None without a confidence head.
+        probs: [len(tokens), n_vocab] the draft distributions q the tokens were drawn from (sampling
+            only); None for a greedy draft (the loop then treats q as one-hot).
+    """
+
+    tokens: np.ndarray
+    logits: np.ndarray | None = None
+    confidence: np.ndarray | None = None
+    probs: np.ndarray | None = None
+
+
+class Drafter(Protocol):
+    """What the speculative loop needs from a drafter.
+
+    ``capture_layers``: target layer outputs whose concatenated rows ``observe`` receives
+    (empty for drafters that only need token ids).
+    """
+
+    capture_layers: list[int]
+    block_size: int
+
+    def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int) -> None:
+        """Committed tokens at positions pos0.. and, if capture_layers, their target capture rows."""
+
+    def propose(self, anchor: int, pos: int, n_max: int, sampler=None) -> Draft:
+        """Up to n_max draft tokens following ``anchor`` (the last committed token, at position pos).
+
+        With a non-greedy ``sampler`` the tokens are drawn and ``Draft.probs`` holds q."""
+
+    def reset(self) -> None:
+        """Forget everything observed (a new generation)."""
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """What DSparkDrafter reads from the GGUF and checks against the target."""
+
+    block_size: int
+    target_layers: list[int]  # GGUF convention: layer inputs (HF id + 1)
+    mask_token: int
+    has_confidence: bool
+    sample_from_anchor: bool
+
+    @property
+    def capture_layers(self) -> list[int]:
+        """The same taps in the capture API's convention: layer outputs (HF id)."""
+        return [layer - 1 for layer in self.target_layers]
+
+
+def inspect_drafter(drafter: Model, target: Model) -> DrafterInfo:
+    """Read the drafter's DSpark parameters and check it fits the target.
+
+    Raises:
+        DrafterError: not a dflash/DSpark GGUF, taps outside the target's layers, feature width or
+            vocabulary that does not match the target, mask token outside the vocabulary.
+    """
+    fail = _failer(drafter)
+    if drafter.arch != "dflash":
+        fail(f"architecture {drafter.arch!r} is not a DFlash/DSpark drafter (expected 'dflash')")
+    tensors = _tensor_shapes(drafter)
+    if "markov_w1.weight" not in tensors:
+        fail("a DFlash drafter without the DSpark Markov head (markov_w1.weight); only DSpark is supported")
+    taps = drafter.target_layers
+    if not taps:
+        fail("no dflash.target_layers")
+    bad = [t for t in taps if not 1 <= t <= target.n_layer]
+    if bad:
+        fail(f"target layers {bad} (GGUF layer-input ids) outside the target's 1..{target.n_layer} "
+             f"({target.n_layer} layers)")
+    fc_in = tensors.get("fc.weight", (0,))[0]
+    if fc_in != len(taps) * target.n_embd:
+        fail(f"fc expects feature rows of {fc_in}, the target gives {len(taps)} taps x n_embd {target.n_embd} "
+             f"= {len(taps) * target.n_embd}")
+    if drafter.n_vocab != target.n_vocab:
+        fail(f"vocabulary size {drafter.n_vocab} differs from the target's {target.n_vocab}")
+    mask = drafter.special_tokens["mask"]
+    if not 0 <= mask < target.n_vocab:
+        fail(f"mask token {mask} is not in the vocabulary (tokenizer.ggml.mask_token_id)")
+    block = int(drafter.gguf_value("dflash.block_size", 0))
+    if block < 1:
+        fail("dflash.block_size missing or < 1")
+    return DrafterInfo(
+        block_size=block,
+        target_layers=taps,
+        mask_token=mask,
+        has_confidence="conf_proj.weight" in tensors,
+        sample_from_anchor=bool(drafter.gguf_value("dflash.sample_from_anchor", True)),
+    )
+
+
+class DSparkDrafter:
+    """A DSpark drafter running in its own context next to the target's.
+
+    Args:
+        path: drafter GGUF (architecture ``dflash`` with the DSpark Markov head).
+        target: the target's Context; its model lends token_embd/output when the drafter omits them.
+        n_ctx: drafter KV size (default: the target's n_ctx).
+        n_batch: rows per injection decode (default: the target's n_batch); also its n_ubatch,
+            because a non-causal graph must see a whole batch in one ubatch.
+        n_threads: CPU threads (default: all cores).
+        n_gpu_layers: drafter layers to offload.
+        p_min: cut the draft at the first slot whose confidence is below p_min (0 = off).
+
+    Raises:
+        DrafterError: see ``inspect_drafter``; ValueError: p_min with no confidence head.
+    """
+
+    def __init__(self, path, target: Context, *, n_ctx: int | None = None, n_batch: int | None = None,
+                 n_threads: int | None = None, n_gpu_layers: int = 0, p_min: float = 0.0):
+        self.model = Model(path, n_gpu_layers=n_gpu_layers)
+        try:
+            self.info = inspect_drafter(self.model, target.model)
+            if p_min > 0.0 and not self.info.has_confidence:
+                raise DrafterError("p_min > 0 needs a confidence head; this drafter has none", op="DSparkDrafter")
+            if not self.info.sample_from_anchor:
+                raise DrafterError("bonus-anchor drafters (dflash.sample_from_anchor = false) are not supported",
+                                   op="DSparkDrafter")
+            n_batch = max(n_batch or target.n_batch, self.info.block_size)
+            self.ctx = Context(self.model, n_ctx=n_ctx or target.n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                               n_threads=n_threads, ctx_other=target)
+        except BaseException:
+            self.model.close()
+            raise
+        self.target = target
+        self.p_min = float(p_min)
+        self.ctx.set_causal_attn(False)
+        if self.info.has_confidence:
+            self.ctx.set_nextn(True, masked=True)
+        self.width = len(self.info.target_layers) * target.model.n_embd
+        self._rows = self.ctx.embd_batch(self.width)
+        self._block = Batch(self.info.block_size)
+
+    @property
+    def block_size(self) -> int:
+        return self.info.block_size
+
+    @property
+    def capture_layers(self) -> list[int]:
+        return self.info.capture_layers
+
+    def close(self) -> None:
+        self.model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def reset(self) -> None:
+        self.ctx.clear()
+
+    def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int) -> None:
+        """Inject the capture rows of committed positions pos0.. into the drafter's KV cache."""
+        if rows is None or len(rows) == 0:
+            return
+        rows = np.asarray(rows, dtype=np.float32)
+        if rows.ndim != 2 or rows.shape[1] != self.width:
+            raise ValueError(f"feature rows must be [n, {self.width}], got {list(rows.shape)}")
+        self.ctx.seq_rm(0, pos0, -1)  # anything at or after pos0 is stale (rejected or re-fed)
+        step = self.ctx.n_batch
+        for start in range(0, len(rows), step):
+            self._rows.clear()
+            self._rows.add_rows(rows[start:start + step], pos0 + start)
+            self.ctx.decode(self._rows)
+
+    def propose(self, anchor: int, pos: int, n_max: int | None = None, sampler=None) -> Draft:
+        """Draft up to n_max (default: the block size) tokens after ``anchor`` at position ``pos``.
+
+        Greedy (no sampler, or temperature 0): slot k's token is the argmax of its post-Markov logits,
+        the same chain the graph used. Sampling: tokens are drawn slot by slot and the Markov bias is
+        recomputed with the token actually drawn at the previous slot (the graph's chain is greedy),
+        so ``Draft.probs`` is the q each token came from. The confidence cut (p_min) reads the
+        graph's confidence, which follows the greedy chain.
+        """
+        block = self.info.block_size
+        n_max = block if n_max is None else min(int(n_max), block)
+        self._block.clear()
+        self._block.add_tokens([anchor] + [self.info.mask_token] * (block - 1), pos, logits="all")
+        try:
+            self.ctx.decode(self._block)
+            logits = self.ctx.all_logits().copy()
+            confidence = (np.array([self.ctx.nextn_row(i)[0] for i in range(block)], dtype=np.float32)
+                          if self.info.has_confidence else None)
+        finally:
+            self.ctx.seq_rm(0, pos, -1)  # the block's own cells are not context
+        n = n_max
+        if self.p_min > 0.0 and confidence is not None:
+            below = np.flatnonzero(confidence[:n] < self.p_min)
+            n = int(below[0]) if below.size else n
+        conf = None if confidence is None else confidence[:n]
+        if sampler is None or sampler.params.greedy:
+            tokens = np.argmax(logits[:n], axis=1).astype(np.int32)
+            return Draft(tokens=tokens, logits=logits[:n], confidence=conf)
+        tokens, probs, chained = self._sample_chain(anchor, logits[:n], sampler)
+        return Draft(tokens=tokens, logits=chained, confidence=conf, probs=probs)
+
+    def _sample_chain(self, anchor: int, logits: np.ndarray, sampler):
+        """Redo the Markov chain with drawn tokens: base_k = logits_k - bias(greedy prev_k), then
+        logits_k' = base_k + bias(drawn prev_k)."""
+        from .sampling import probabilities
+
+        bias = self._markov_bias()
+        greedy_prev = np.concatenate([[anchor], np.argmax(logits[:-1], axis=1)]).astype(np.int64)
+        base = logits.astype(np.float64) - bias(greedy_prev)
+        tokens, probs, chained = [], [], []
+        prev = anchor
+        for k in range(len(logits)):
+            row = base[k] + bias(np.array([prev]))[0]
+            q = probabilities(row, sampler.params)
+            prev = sampler.draw(q)
+            tokens.append(prev)
+            probs.append(q)
+            chained.append(row)
+        return np.asarray(tokens, dtype=np.int32), np.stack(probs), np.stack(chained).astype(np.float32)
+
+    def _markov_bias(self):
+        """bias(prev) = markov_w2 @ markov_w1[prev] (x markov_w2.scale), rows [len(prev), n_vocab]."""
+        if getattr(self, "_bias", None) is None:
+            import gguf
+
+            reader = gguf.GGUFReader(self.model.path)
+            tensors = {t.name: t for t in reader.tensors}
+            if "d2t" in tensors:
+                raise DrafterError("sampling with a reduced draft vocabulary (d2t) is not supported; use "
+                                   "temperature 0", op="DSparkDrafter.propose")
+            w1 = _dequantize(tensors["markov_w1.weight"])  # [n_vocab, R]
+            w2 = _dequantize(tensors["markov_w2.weight"])  # [n_vocab, R]
+            scale = float(_dequantize(tensors["markov_w2.scale"]).ravel()[0]) if "markov_w2.scale" in tensors else 1.0
+            self._bias = lambda prev: (w1[prev] @ w2.T) * scale
+        return self._bias
+
+
+def _dequantize(tensor) -> np.ndarray:
+    import gguf
+
+    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64)
+
+
+def _failer(drafter: Model):
+    def fail(message: str):
+        raise DrafterError(f"drafter {drafter.path.name}: {message}", op="DSparkDrafter")
+    return fail
+
+
+def _tensor_shapes(model: Model) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> ggml shape (ne order) from the GGUF file."""
+    import gguf
+
+    reader = gguf.GGUFReader(model.path)
+    return {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}

@@ -1,0 +1,265 @@
+"""The speculative loop: draft a block, verify it in one target decode, commit.
+
+One round, in the order of speculative-simple.cpp's comments:
+
+1. draft: the drafter proposes d0..dk-1 after the anchor (the last committed
+   token, at position pos, not yet seen by the target);
+2. verify: one target decode of [anchor, d0..dk-1] at positions pos..pos+k,
+   logits on every row, dense capture on (when the drafter reads features);
+3. accept: greedy, the longest prefix where d_i equals the target's argmax,
+   plus one target token (correction or bonus); with temperature > 0,
+   rejection sampling with the draft probabilities q and the target's p;
+4. commit: ``seq_rm`` drops the rejected cells from the target (a hybrid
+   target rolls back through its recurrent snapshots; a removal that cannot be
+   honoured raises MemoryOpError, it is never ignored), and the drafter
+   observes the committed rows' features (anchor + accepted drafts).
+
+After the round the committed tokens occupy positions < pos + n + 1 in the
+target's memory and the new anchor (the target's token) sits at pos + n + 1.
+"""
+
+from __future__ import annotations
+
+import codecs
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+
+from .batch import Batch
+from .context import Context
+from .drafter import Draft, Drafter
+from .generate import TokenEvent, prompt_tokens
+from .sampling import Sampler, SamplingParams, probabilities
+from .stats import SpecStats
+from .verify import accept_greedy, accept_stochastic
+
+
+@dataclass
+class Step:
+    """One round: the committed tokens (accepted drafts, then the target's token)."""
+
+    tokens: list[int]
+    n_draft: int
+    n_accept: int
+    from_draft: list[bool]
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+
+
+@dataclass
+class SpecResult:
+    """What ``Speculator.generate`` returns: text, ids, why it stopped, and the statistics."""
+
+    text: str
+    tokens: list[int]
+    stop_reason: str
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class Speculator:
+    """Speculative decoding of a target with a drafter.
+
+    Args:
+        target: the target's Context. Hybrid/recurrent targets need ``n_rs_seq >= n_draft`` (use
+            ``Speculator.make_target_context`` or pass ``n_rs_seq`` to Context).
+        drafter: a Drafter (``DSparkDrafter``, or any object with its protocol).
+        n_draft: most draft tokens per round (default: the drafter's block size). Larger values are
+            clamped to the block size with a warning.
+        n_draft_min: drafts shorter than this are dropped (the round becomes a plain decode).
+
+    Raises:
+        ValueError: a negative n_draft, or a hybrid target without enough rollback snapshots.
+    """
+
+    def __init__(self, target: Context, drafter: Drafter, *, n_draft: int | None = None, n_draft_min: int = 0):
+        block = int(drafter.block_size)
+        n_draft = block if n_draft is None else int(n_draft)
+        if n_draft < 0 or n_draft_min < 0:
+            raise ValueError(f"n_draft and n_draft_min must be >= 0, got {n_draft} and {n_draft_min}")
+        if n_draft > block:
+            warnings.warn(f"n_draft={n_draft} exceeds the drafter's block size {block}; clamped to {block}",
+                          stacklevel=2)
+            n_draft = block
+        model = target.model
+        if (model.is_recurrent or model.is_hybrid) and target.n_rs_seq < n_draft:
+            raise ValueError(f"{model.arch} target needs recurrent-state snapshots for rollback: create its "
+                             f"Context with n_rs_seq >= {n_draft} (has {target.n_rs_seq})")
+        self.target, self.drafter = target, drafter
+        self.n_draft, self.n_draft_min = n_draft, int(n_draft_min)
+        self._batch = Batch(max(n_draft + 1, target.n_batch))
+
+    @staticmethod
+    def target_rs_seq(n_draft: int) -> int:
+        """The n_rs_seq a hybrid target's Context needs for drafts of n_draft tokens."""
+        return n_draft + 1
+
+    # --- the loop ---------------------------------------------------------------------
+    def run(self, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler | None = None,
+            stop_at_eog: bool = True, stats: SpecStats | None = None) -> Iterator[Step]:
+        """Yield one Step per round until max_tokens, an end-of-generation token or a full context.
+
+        The first Step carries the token sampled from the prompt's logits (n_draft 0). The target's
+        and the drafter's memories are cleared first. ``stats`` (if given) is filled as it goes.
+        """
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        sampler = sampler or Sampler()
+        stats = stats if stats is not None else SpecStats()
+        stats.n_prompt = len(tokens)
+        ctx, n_ctx = self.target, self.target.n_ctx
+        if max_tokens == 0:
+            return
+        t0 = time.perf_counter()
+        anchor = self._prefill(tokens, sampler)
+        stats.t_prefill = time.perf_counter() - t0
+        pos, n_left = len(tokens), max_tokens
+        t0 = time.perf_counter()
+        try:
+            step = Step(tokens=[anchor], n_draft=0, n_accept=0, from_draft=[False])
+            while True:
+                step.tokens = step.tokens[:n_left]
+                n_left -= len(step.tokens)
+                stats.n_generated += len(step.tokens)
+                eog = stop_at_eog and any(ctx.model.is_eog(t) for t in step.tokens)
+                if eog:
+                    cut = next(i for i, t in enumerate(step.tokens) if ctx.model.is_eog(t))
+                    step.tokens, step.from_draft = step.tokens[:cut + 1], step.from_draft[:cut + 1]
+                yield step
+                if eog or n_left == 0 or pos >= n_ctx:
+                    stats.stop_reason = "eog" if eog else "max_tokens" if n_left == 0 else "n_ctx"
+                    return
+                step = self._round(anchor, pos, min(self.n_draft, n_ctx - pos - 1, n_left - 1), sampler, stats)
+                pos += len(step.tokens)
+                anchor = step.tokens[-1]
+        finally:
+            stats.t_decode = time.perf_counter() - t0
+
+    def _prefill(self, tokens: np.ndarray, sampler: Sampler) -> int:
+        """Decode the prompt (dense capture, logits on the last row), feed the drafter, sample token 1."""
+        ctx, drafter = self.target, self.drafter
+        ctx.clear()
+        drafter.reset()
+        layers = list(drafter.capture_layers)
+        if layers:
+            ctx.set_capture_layers(layers, masked=False)
+        step = min(ctx.n_batch, self._batch.capacity)
+        for start in range(0, len(tokens), step):
+            chunk = tokens[start:start + step]
+            self._decode_chunk(chunk, start, last=start + step >= len(tokens))
+            drafter.observe(chunk, ctx.capture().copy() if layers else None, start)
+        return sampler(ctx.logits(-1))
+
+    def _decode_chunk(self, chunk: np.ndarray, pos0: int, *, last: bool) -> None:
+        self._batch.clear()
+        self._batch.add_tokens(chunk, pos0, logits="last" if last else "none")
+        self.target.decode(self._batch)
+
+    def _round(self, anchor: int, pos: int, n_max: int, sampler: Sampler, stats: SpecStats) -> Step:
+        ctx, drafter = self.target, self.drafter
+        t0 = time.perf_counter()
+        draft = drafter.propose(anchor, pos, n_max, sampler=sampler) if n_max > 0 else Draft(np.zeros(0, np.int32))
+        drafts = np.asarray(draft.tokens[:n_max], dtype=np.int32)
+        if len(drafts) < self.n_draft_min:
+            drafts = drafts[:0]
+        t1 = time.perf_counter()
+        # verify: [anchor, d0..dk-1], every row's logits; row i predicts the token after row i's token
+        k = len(drafts)
+        self._batch.clear()
+        self._batch.add_tokens(np.concatenate([[anchor], drafts]), pos, logits="all")
+        ctx.decode(self._batch)
+        rows = ctx.all_logits()
+        n, token = self._accept(drafts, draft, rows, sampler)
+        # commit: drop the rejected cells, then give the drafter the committed rows' features
+        if n < k:
+            ctx.seq_rm(0, pos + n + 1, -1)
+        features = ctx.capture()[: n + 1].copy() if drafter.capture_layers else None
+        drafter.observe(np.concatenate([[anchor], drafts[:n]]).astype(np.int32), features, pos)
+        t2 = time.perf_counter()
+        stats.observe_round(k, n)
+        stats.t_draft += t1 - t0
+        stats.t_verify += t2 - t1
+        committed = [int(t) for t in drafts[:n]] + [token]
+        return Step(tokens=committed, n_draft=k, n_accept=n, from_draft=[True] * n + [False],
+                    t_draft=t1 - t0, t_verify=t2 - t1)
+
+    @staticmethod
+    def _accept(drafts: np.ndarray, draft: Draft, rows: np.ndarray, sampler: Sampler) -> tuple[int, int]:
+        if sampler.params.greedy:
+            return accept_greedy(drafts, np.argmax(rows, axis=1))
+        p = np.stack([probabilities(row, sampler.params) for row in rows])
+        q = draft.probs if draft.probs is not None else _greedy_q(drafts, rows.shape[1])
+        return accept_stochastic(drafts, q[: len(drafts)], p, sampler.rng.random, sampler.draw)
+
+    # --- convenience ------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+                 stream: bool = False, stop_at_eog: bool = True, add_special: bool = True):
+        """Generate with speculative decoding; temperature 0 reproduces plain greedy decoding exactly.
+
+        Args:
+            prompt: text or token ids.
+            max_tokens: most tokens to generate.
+            temperature, top_k, top_p, seed: sampling (see SamplingParams); > 0 uses rejection sampling.
+            stop: strings that end the generation; the text is cut before the stop string (also when it
+                spans a block boundary).
+            stream: return an iterator of TokenEvent as tokens are committed.
+
+        Returns:
+            SpecResult (text, tokens, stop_reason, stats), or an iterator of TokenEvent.
+        """
+        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        tokens = prompt_tokens(self.target, prompt, add_special=add_special)
+        stats = SpecStats()
+        result = SpecResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
+        events = self._events(self.run(tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog,
+                                       stats=stats), list(stop), result)
+        if stream:
+            return events
+        for _ in events:
+            pass
+        return result
+
+    def chat(self, messages: Sequence[Mapping[str, str]], **kwargs):
+        """``generate`` on the messages formatted with the target's chat template."""
+        return self.generate(self.target.model.apply_chat_template(messages), **kwargs)
+
+    def _events(self, steps: Iterator[Step], stop: list[str], result: SpecResult) -> Iterator[TokenEvent]:
+        model = self.target.model
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = ""
+        for step in steps:
+            for token in step.tokens:
+                result.tokens.append(token)
+                piece = decoder.decode(model.token_to_piece(token)) if model.has_vocab else ""
+                cut = _find_stop(text, piece, stop)
+                if cut is not None:
+                    result.text, result.stop_reason = (text + piece)[:cut], "stop"
+                    if cut > len(text):
+                        yield TokenEvent(token=token, text=(text + piece)[len(text):cut])
+                    steps.close()
+                    return
+                text += piece
+                yield TokenEvent(token=token, text=piece)
+        result.text = text + decoder.decode(b"", final=True)
+        result.stop_reason = result.stats.stop_reason
+
+
+def _find_stop(text: str, piece: str, stop: list[str]) -> int | None:
+    """Index in text + piece where the earliest stop string begins, if one completes with this piece."""
+    if not stop or not piece:
+        return None
+    joined = text + piece
+    window = max(len(s) for s in stop) + len(piece)
+    base = max(0, len(joined) - window)
+    hits = [h for h in (joined.find(s, base) for s in stop if s) if h >= 0]
+    return min(hits) if hits else None
+
+
+def _greedy_q(drafts: np.ndarray, n_vocab: int) -> np.ndarray:
+    """One-hot q for drafters that give no probabilities (a deterministic proposal)."""
+    q = np.zeros((len(drafts), n_vocab))
+    q[np.arange(len(drafts)), drafts] = 1.0
+    return q

@@ -1,0 +1,88 @@
+"""SpecStats: what a speculative generation did, in vLLM / llama.cpp vocabulary.
+
+Definitions (DSPARK.md "Metrics"):
+- drafted: draft tokens sent to verify; accepted: of those, accepted.
+- accept rate = accepted / drafted.
+- tau (mean acceptance length) = accepted / rounds + 1 (the +1 is the target's own token).
+- per-position acceptance (1-based i): position i is reached iff i <= a + 1 (and i <= drafted that
+  round), accepted iff i <= a.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    n_prompt: int = 0
+    n_generated: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reached_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    t_prefill: float = 0.0
+    t_decode: float = 0.0
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    stop_reason: str = ""
+
+    def observe_round(self, n_drafted: int, n_accepted: int) -> None:
+        """Record one verify decode that checked n_drafted draft tokens and accepted n_accepted."""
+        if not 0 <= n_accepted <= n_drafted:
+            raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted")
+        self.rounds += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        while len(self.reached_per_pos) < n_drafted:
+            self.reached_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for i in range(1, n_drafted + 1):
+            self.reached_per_pos[i - 1] += i <= n_accepted + 1
+            self.accepted_per_pos[i - 1] += i <= n_accepted
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean acceptance length, bonus token included."""
+        return self.accepted / self.rounds + 1.0 if self.rounds else 0.0
+
+    @property
+    def per_position_rate(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_per_pos, self.reached_per_pos)]
+
+    @property
+    def decode_tok_s(self) -> float:
+        """Generated tokens per second of decode time (prefill excluded)."""
+        return self.n_generated / self.t_decode if self.t_decode > 0 else 0.0
+
+    @property
+    def total_tok_s(self) -> float:
+        """Generated tokens per second including prefill."""
+        total = self.t_prefill + self.t_decode
+        return self.n_generated / total if total > 0 else 0.0
+
+    def format(self) -> str:
+        """An aligned `key = value` block, like speculative-simple's."""
+        rows = [
+            ("n_prompt", self.n_prompt), ("n_generated", self.n_generated), ("rounds", self.rounds),
+            ("n_drafted", self.drafted), ("n_accepted", self.accepted),
+            ("accept", f"{100 * self.accept_rate:.3f}%"), ("tau", f"{self.tau:.3f}"),
+            ("per_position", " ".join(f"{r:.2f}" for r in self.per_position_rate)),
+            ("t_prefill", f"{self.t_prefill:.3f} s"), ("t_decode", f"{self.t_decode:.3f} s"),
+            ("t_draft", f"{self.t_draft:.3f} s"), ("t_verify", f"{self.t_verify:.3f} s"),
+            ("decode_tok_s", f"{self.decode_tok_s:.2f}"), ("total_tok_s", f"{self.total_tok_s:.2f}"),
+        ]
+        return "\n".join(f"{key:<13} = {value}" for key, value in rows)
+
+    def as_dict(self) -> dict:
+        return {
+            "n_prompt": self.n_prompt, "n_generated": self.n_generated, "rounds": self.rounds,
+            "drafted": self.drafted, "accepted": self.accepted, "accept_rate": self.accept_rate, "tau": self.tau,
+            "accepted_per_pos": list(self.accepted_per_pos), "reached_per_pos": list(self.reached_per_pos),
+            "t_prefill": self.t_prefill, "t_decode": self.t_decode, "decode_tok_s": self.decode_tok_s,
+        }
