@@ -23,6 +23,10 @@ class Model(Owned):
         path: the .gguf file.
         n_gpu_layers: layers to offload to a GPU backend (0 = CPU only, -1 = all).
         vocab_only: load only the vocabulary and metadata.
+        use_extra_bufts: let llama.cpp repack weights for AMX / interleaved CPU kernels. Off by default:
+            the repacked kernels differ between single-token and batched decodes (so speculative
+            output could drift from plain greedy), and the AMX path raised SIGILL on our VMs
+            (AMX listed by the CPU but not usable) for quantized weights and batches of ~32+ tokens.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -32,12 +36,14 @@ class Model(Owned):
     Closing a model closes its contexts first. ``with Model(...) as m:`` works.
     """
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False):
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False,
+                 use_extra_bufts: bool = False):
         self.path = Path(path)
         _check_gguf_file(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.vocab_only = bool(vocab_only)
+        params.use_extra_bufts = bool(use_extra_bufts)
         _log.clear()
         ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
         if ptr == ffi.NULL:
@@ -260,3 +266,31 @@ def _read_string(call, size: int = 256) -> str | None:
         buf = ffi.new("char[]", n + 1)
         call(buf, n + 1)
     return ffi.string(buf).decode("utf-8", "replace")
+
+
+QUANT_TYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+               "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
+
+
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, *, n_threads: int = 0) -> Path:
+    """Write a copy of GGUF ``src`` with its weight matrices in ``qtype`` (llama.cpp's llama-quantize).
+
+    Args:
+        qtype: one of f32, f16, q8_0, q4_0, q4_1 (norms and other 1-D tensors stay f32).
+
+    Raises:
+        ValueError: unknown qtype; FileNotFoundError / ModelLoadError: bad src;
+        LlamaError: llama.cpp failed (``log_tail`` says why); dst is then not left behind.
+    """
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"qtype must be one of {sorted(QUANT_TYPES)}, got {qtype!r}")
+    src, dst = Path(src), Path(dst)
+    _check_gguf_file(src)
+    params = ffi.new("llama_model_quantize_params *", lib.llama_model_quantize_default_params())
+    params.nthread = n_threads
+    params.ftype = getattr(lib, QUANT_TYPES[qtype])
+    _log.clear()
+    if lib.llama_model_quantize(os.fsencode(src), os.fsencode(dst), params) != 0:
+        dst.unlink(missing_ok=True)
+        raise LlamaError(f"quantizing {src.name} to {qtype} failed", op="llama_model_quantize", log_tail=_log.tail())
+    return dst

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pyllama_dspark.model import quantize
 from pyllama_dspark.testing import TinySpec, tiny_model
 
 ARCHS = ["llama", "qwen3", "qwen35"]
@@ -22,3 +23,18 @@ def make_model(model_dir):
         return tiny_model(TinySpec(**fields), cache_dir=model_dir)
 
     return build
+
+
+@pytest.fixture(scope="session")
+def quantized(make_model, tmp_path_factory):
+    """quantized(arch, qtype) -> a 3-layer tiny target with weights in qtype (f32 = unquantized)."""
+    folder = tmp_path_factory.mktemp("quantized")
+    cache = {}
+
+    def get(arch, qtype):
+        if (arch, qtype) not in cache:
+            src = make_model(arch=arch, n_layer=3)
+            cache[arch, qtype] = src if qtype == "f32" else quantize(src, folder / f"{arch}-{qtype}.gguf", qtype)
+        return cache[arch, qtype]
+
+    return get

@@ -71,6 +71,18 @@ def test_output_equals_plain_greedy(arch_model, kind, n_draft):
         assert stats.n_generated == N_TOKENS
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_targets_stay_exact(quantized, arch, qtype):
+    with Model(quantized(arch, qtype)) as model:
+        for prompt in PROMPTS[:3]:
+            expected = plain_greedy(model, prompt)
+            for right in (1, 3):
+                drafter = drafters.prefix(list(prompt) + expected, model.n_vocab, right)
+                tokens, _, _ = run_spec(model, prompt, drafter, 4)
+                assert tokens == expected, f"{arch} {qtype} right={right}"
+
+
 def test_statistics_are_exactly_as_constructed(arch_model):
     arch, model = arch_model
     prompt = PROMPTS[0]

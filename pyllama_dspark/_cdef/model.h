@@ -20,3 +20,8 @@ const char * llama_model_chat_template(const struct llama_model * model, const c
 uint64_t llama_model_n_params(const struct llama_model * model);
 bool llama_model_is_recurrent(const struct llama_model * model);
 bool llama_model_is_hybrid(const struct llama_model * model);
+struct llama_model_quantize_params llama_model_quantize_default_params(void);
+uint32_t llama_model_quantize(
+        const char * fname_inp,
+        const char * fname_out,
+        const llama_model_quantize_params * params);

@@ -54,6 +54,7 @@ struct llama_model_params {
     int32_t main_gpu;
     bool vocab_only;
     bool check_tensors;
+    bool use_extra_bufts;
     ...;
 };
 
@@ -79,6 +80,22 @@ struct llama_context_params {
     struct llama_context * ctx_other;
     ...;
 };
+
+enum llama_ftype {
+    LLAMA_FTYPE_ALL_F32              = 0,
+    LLAMA_FTYPE_MOSTLY_F16           = 1,
+    LLAMA_FTYPE_MOSTLY_Q4_0          = 2,
+    LLAMA_FTYPE_MOSTLY_Q4_1          = 3,
+    LLAMA_FTYPE_MOSTLY_Q8_0          = 7,
+    ...
+};
+
+typedef struct llama_model_quantize_params {
+    int32_t nthread;
+    enum llama_ftype ftype;
+    bool pure;
+    ...;
+} llama_model_quantize_params;
 
 typedef struct llama_chat_message {
     const char * role;
