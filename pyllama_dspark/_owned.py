@@ -48,7 +48,7 @@ class Owned:
         self._free(ptr)
 
     def _free(self, ptr) -> None:  # pragma: no cover - every subclass defines it
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} does not define _free")
 
     def __enter__(self):
         self.ptr

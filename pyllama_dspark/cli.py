@@ -1,4 +1,4 @@
-"""pyllama-dspark command line: generate, info, demo.
+"""pyllama-dspark command line: generate, info, demo, convert.
 
 Every failure caused by the user's input (missing file, bad GGUF, prompt too
 long, bad option) exits with status 1 and one line on stderr, never a
@@ -47,7 +47,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build a tiny built-in model and generate from it (no download)")
     demo.add_argument("--prompt", "-p", default="Once upon a time")
     _add_generation_args(demo)
+    _add_convert_parser(sub)
     return parser
+
+
+def _add_convert_parser(sub) -> None:
+    from .convert.layout import OUTTYPES
+
+    conv = sub.add_parser("convert", help="convert a Hugging Face DSpark drafter checkpoint to GGUF")
+    conv.add_argument("src", help="checkpoint folder (config.json + safetensors) or hub repo id owner/name")
+    conv.add_argument("--outfile", "-o", required=True, help="GGUF file to write")
+    conv.add_argument("--outtype", choices=OUTTYPES, default="auto",
+                      help="weight matrix type (default auto: bf16 for a bf16 checkpoint, else f16)")
+    target = conv.add_mutually_exclusive_group()
+    target.add_argument("--target-gguf", help="the target's GGUF: checks fit, copies its vocabulary")
+    target.add_argument("--target-model-dir", help="the target's HF folder: checks fit (no vocabulary)")
+    conv.add_argument("--keep-shared-tensors", action="store_true",
+                      help="keep token_embd/output even when they equal the target's")
 
 
 def _cmd_generate(args, model_path: Path) -> int:
@@ -117,6 +133,18 @@ def _cmd_demo(args) -> int:
     return _cmd_generate(args, path)
 
 
+def _cmd_convert(args) -> int:
+    from .convert.converter import convert
+
+    result = convert(args.src, args.outfile, outtype=args.outtype, target_gguf=args.target_gguf,
+                     target_model_dir=args.target_model_dir, keep_shared_tensors=args.keep_shared_tensors)
+    for note in result.notes:
+        print(f"pyllama-dspark: {note}", file=sys.stderr)
+    size = result.path.stat().st_size
+    print(f"wrote {result.path}: {len(result.tensors)} tensors, {size} bytes")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.ERROR, format="%(name)s: %(message)s")
@@ -127,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(args, Path(args.model))
         if args.command == "info":
             return _cmd_info(args)
+        if args.command == "convert":
+            return _cmd_convert(args)
         return _cmd_demo(args)
     except (LlamaError, ValueError, OSError, ImportError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -40,7 +40,8 @@ class Context(Owned):
         n_threads: CPU threads for single-token decodes (default: all cores).
         n_threads_batch: CPU threads for batches (default: n_threads).
         n_rs_seq: recurrent-state snapshots per sequence, so a hybrid/recurrent model can drop
-            up to that many trailing tokens with ``seq_rm`` (0 = no partial removal).
+            up to that many trailing tokens with ``seq_rm`` (0 = no partial removal); at most
+            n_ubatch - 2 for such models.
         ctx_other: a context this one reads from (a draft model's target context).
         kv_type: "f16" (llama.cpp's default) or "f32" KV cache; f32 costs twice the memory and makes
             attention match a float reference more closely.
@@ -64,6 +65,9 @@ class Context(Owned):
             raise ValueError(f"n_ubatch ({n_ubatch}) must not exceed n_batch ({n_batch})")
         if n_rs_seq < 0:
             raise ValueError(f"n_rs_seq must be >= 0, got {n_rs_seq}")
+        if n_rs_seq and (model.is_recurrent or model.is_hybrid) and n_rs_seq + 1 >= n_ubatch:
+            # llama.cpp keeps the last n_rs_seq + 1 tokens of a sequence in one ubatch (and asserts on it)
+            raise ValueError(f"n_rs_seq ({n_rs_seq}) must be at most n_ubatch - 2 ({n_ubatch - 2})")
         if kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
         self.model = model

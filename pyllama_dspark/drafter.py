@@ -83,6 +83,7 @@ class DrafterInfo:
     mask_token: int
     has_confidence: bool
     sample_from_anchor: bool
+    markov_rank: int = 0  # 0: no Markov head (the "DFlash ablation"), slots are independent
 
     @property
     def capture_layers(self) -> list[int]:
@@ -101,8 +102,10 @@ def inspect_drafter(drafter: Model, target: Model) -> DrafterInfo:
     if drafter.arch != "dflash":
         fail(f"architecture {drafter.arch!r} is not a DFlash/DSpark drafter (expected 'dflash')")
     tensors = _tensor_shapes(drafter)
-    if "markov_w1.weight" not in tensors:
-        fail("a DFlash drafter without the DSpark Markov head (markov_w1.weight); only DSpark is supported")
+    anchor_first = bool(drafter.gguf_value("dflash.sample_from_anchor", "markov_w1.weight" in tensors))
+    if not anchor_first:
+        fail("a bonus-anchor (DFlash-style, dflash.sample_from_anchor = false) drafter; only anchor-first DSpark "
+             "drafters are supported")
     taps = drafter.target_layers
     if not taps:
         fail("no dflash.target_layers")
@@ -117,6 +120,8 @@ def inspect_drafter(drafter: Model, target: Model) -> DrafterInfo:
     if drafter.n_vocab != target.n_vocab:
         fail(f"vocabulary size {drafter.n_vocab} differs from the target's {target.n_vocab}")
     mask = drafter.special_tokens["mask"]
+    if mask < 0:  # a vocabulary without tokenizer (no_vocab) ignores its special-token keys
+        mask = int(drafter.gguf_value("tokenizer.ggml.mask_token_id", -1))
     if not 0 <= mask < target.n_vocab:
         fail(f"mask token {mask} is not in the vocabulary (tokenizer.ggml.mask_token_id)")
     block = int(drafter.gguf_value("dflash.block_size", 0))
@@ -127,7 +132,8 @@ def inspect_drafter(drafter: Model, target: Model) -> DrafterInfo:
         target_layers=taps,
         mask_token=mask,
         has_confidence="conf_proj.weight" in tensors,
-        sample_from_anchor=bool(drafter.gguf_value("dflash.sample_from_anchor", True)),
+        sample_from_anchor=anchor_first,
+        markov_rank=int(tensors["markov_w1.weight"][0]) if "markov_w1.weight" in tensors else 0,
     )
 
 
@@ -155,9 +161,6 @@ class DSparkDrafter:
             self.info = inspect_drafter(self.model, target.model)
             if p_min > 0.0 and not self.info.has_confidence:
                 raise DrafterError("p_min > 0 needs a confidence head; this drafter has none", op="DSparkDrafter")
-            if not self.info.sample_from_anchor:
-                raise DrafterError("bonus-anchor drafters (dflash.sample_from_anchor = false) are not supported",
-                                   op="DSparkDrafter")
             n_batch = max(n_batch or target.n_batch, self.info.block_size)
             self.ctx = Context(self.model, n_ctx=n_ctx or target.n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                n_threads=n_threads, ctx_other=target)
@@ -172,6 +175,7 @@ class DSparkDrafter:
         self.width = len(self.info.target_layers) * target.model.n_embd
         self._rows = self.ctx.embd_batch(self.width)
         self._block = Batch(self.info.block_size)
+        self._bias = None  # Markov bias function, loaded on the first sampled draft
 
     @property
     def block_size(self) -> int:
@@ -259,7 +263,10 @@ class DSparkDrafter:
 
     def _markov_bias(self):
         """bias(prev) = markov_w2 @ markov_w1[prev] (x markov_w2.scale), rows [len(prev), n_vocab]."""
-        if getattr(self, "_bias", None) is None:
+        if self._bias is None and self.info.markov_rank == 0:
+            n_vocab = self.model.n_vocab
+            self._bias = lambda prev: np.zeros((len(prev), n_vocab))
+        if self._bias is None:
             import gguf
 
             reader = gguf.GGUFReader(self.model.path)

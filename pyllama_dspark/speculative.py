@@ -93,8 +93,9 @@ class Speculator:
 
     @staticmethod
     def target_rs_seq(n_draft: int) -> int:
-        """The n_rs_seq a hybrid target's Context needs for drafts of n_draft tokens."""
-        return n_draft + 1
+        """The n_rs_seq a hybrid target's Context needs for drafts of n_draft tokens: a verify of
+        [anchor, d0..dk-1] may have to drop all k drafts."""
+        return n_draft
 
     # --- the loop ---------------------------------------------------------------------
     def run(self, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler | None = None,
@@ -227,35 +228,48 @@ class Speculator:
         return self.generate(self.target.model.apply_chat_template(messages), **kwargs)
 
     def _events(self, steps: Iterator[Step], stop: list[str], result: SpecResult) -> Iterator[TokenEvent]:
+        """Token events with text; text that could begin a stop string is held back until it cannot."""
         model = self.target.model
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text = ""
+        text, emitted = "", 0
         for step in steps:
             for token in step.tokens:
                 result.tokens.append(token)
-                piece = decoder.decode(model.token_to_piece(token)) if model.has_vocab else ""
-                cut = _find_stop(text, piece, stop)
+                text += decoder.decode(model.token_to_piece(token)) if model.has_vocab else ""
+                cut = _find_stop(text, emitted, stop)
                 if cut is not None:
-                    result.text, result.stop_reason = (text + piece)[:cut], "stop"
-                    if cut > len(text):
-                        yield TokenEvent(token=token, text=(text + piece)[len(text):cut])
+                    result.text, result.stop_reason = text[:cut], "stop"
+                    yield TokenEvent(token=token, text=text[emitted:cut])
                     steps.close()
                     return
-                text += piece
-                yield TokenEvent(token=token, text=piece)
-        result.text = text + decoder.decode(b"", final=True)
+                safe = len(text) - _held_back(text, stop)
+                yield TokenEvent(token=token, text=text[emitted:safe])
+                emitted = safe
+        text += decoder.decode(b"", final=True)
+        if len(text) > emitted:
+            yield TokenEvent(token=-1, text=text[emitted:])
+        result.text = text
         result.stop_reason = result.stats.stop_reason
 
 
-def _find_stop(text: str, piece: str, stop: list[str]) -> int | None:
-    """Index in text + piece where the earliest stop string begins, if one completes with this piece."""
-    if not stop or not piece:
+def _find_stop(text: str, emitted: int, stop: list[str]) -> int | None:
+    """Where the earliest stop string starts in text, looking only where one could newly complete."""
+    if not stop:
         return None
-    joined = text + piece
-    window = max(len(s) for s in stop) + len(piece)
-    base = max(0, len(joined) - window)
-    hits = [h for h in (joined.find(s, base) for s in stop if s) if h >= 0]
+    base = max(0, emitted - max(len(s) for s in stop))
+    hits = [h for h in (text.find(s, base) for s in stop if s) if h >= 0]
     return min(hits) if hits else None
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 def _greedy_q(drafts: np.ndarray, n_vocab: int) -> np.ndarray:

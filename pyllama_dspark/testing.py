@@ -73,6 +73,8 @@ __all__ = [
     "tiny_model",
     "load_tiny_weights",
     "vocab_gguf_path",
+    "write_tiny_dspark_checkpoint",
+    "default_dspark_target_layer_ids",
 ]
 
 ARCHS = ("llama", "qwen3", "qwen35")
@@ -562,3 +564,251 @@ def vocab_gguf_path(name: str = "llama-spm") -> pathlib.Path:
         f"vocab file {filename} not found (searched: {searched}); "
         f"set {_VOCAB_DIR_ENV} to a directory holding llama.cpp's models/{filename}"
     )
+
+
+# --------------------------------------------------------------------------
+# tiny Hugging Face DSpark drafter checkpoints (input of pyllama_dspark.convert)
+
+# one of the names the vendored DSparkModel converter registers (conversion/qwen.py)
+DSPARK_ARCHITECTURE = "DSparkDraftModel"
+DSPARK_CONFIG_STYLES = ("top", "nested", "aux")
+DSPARK_DTYPES = ("bf16", "f16", "f32")
+
+
+@dataclass(frozen=True)
+class _DraftSpec:
+    """The drafter's sizes, derived from the target so taps and vocabulary fit."""
+
+    target: TinySpec
+    n_layer: int
+    n_vocab: int
+    head_dim: int
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    markov_rank: int
+    confidence_head: bool
+    confidence_with_markov: bool
+    draft_vocab_size: int | None
+    prefix: str
+    seed: int
+
+
+def default_dspark_target_layer_ids(n_layer: int) -> tuple[int, ...]:
+    """Valid HF taps (outputs of layer i) for a target with ``n_layer`` layers: the first
+    layer and the second to last, never the last one (upstream aborts on that)."""
+    if n_layer < 2:
+        raise ValueError(f"a DSpark target needs at least 2 layers (the last cannot be tapped), got {n_layer}")
+    return tuple(sorted({0, n_layer - 2}))
+
+
+def _draft_matrix(name: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    z = _tensor_rng(name, seed).standard_normal(shape, dtype=np.float32)
+    return z * np.float32(1.0 / math.sqrt(shape[-1]))
+
+
+def _draft_norm(name: str, n: int, seed: int) -> np.ndarray:
+    return np.float32(1.0) + np.float32(0.1) * _tensor_rng(name, seed).standard_normal((n,), dtype=np.float32)
+
+
+def _draft_layer(d: _DraftSpec, il: int) -> dict[str, np.ndarray]:
+    t, p, seed_name = d.target, f"{d.prefix}layers.{il}.", f"layers.{il}."
+    h, q, kv = t.n_embd, t.n_head * d.head_dim, t.n_head_kv * d.head_dim
+    mats = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q), "mlp.gate_proj": (t.n_ff, h), "mlp.up_proj": (t.n_ff, h),
+            "mlp.down_proj": (h, t.n_ff)}
+    norms = {"input_layernorm": h, "post_attention_layernorm": h,
+             "self_attn.q_norm": d.head_dim, "self_attn.k_norm": d.head_dim}
+    # seeded by the unprefixed name, so every prefix variant holds the same values
+    out = {f"{p}{k}.weight": _draft_matrix(seed_name + k, s, d.seed) for k, s in mats.items()}
+    out.update({f"{p}{k}.weight": _draft_norm(seed_name + k, n, d.seed) for k, n in norms.items()})
+    return out
+
+
+def _draft_heads(d: _DraftSpec) -> dict[str, np.ndarray]:
+    """Markov and confidence heads (omitted when their rank/flag says so)."""
+    p, h, r = d.prefix, d.target.n_embd, d.markov_rank
+    out: dict[str, np.ndarray] = {}
+    if r > 0:
+        # w1 rows are embeddings (std 1), w2 a projection from rank r
+        w1 = _draft_matrix("markov_w1", (d.n_vocab, r), d.seed) * np.float32(math.sqrt(r))
+        out[f"{p}markov_head.markov_w1.weight"] = w1
+        w2_rows = d.draft_vocab_size or d.n_vocab
+        out[f"{p}markov_head.markov_w2.weight"] = _draft_matrix("markov_w2", (w2_rows, r), d.seed)
+    if d.confidence_head:
+        width = h + r if d.confidence_with_markov else h
+        out[f"{p}confidence_head.proj.weight"] = _draft_matrix("conf_proj", (1, width), d.seed)
+        out[f"{p}confidence_head.proj.bias"] = np.full((1,), 0.5, dtype=np.float32)
+    return out
+
+
+def _draft_vocab_ids(d: _DraftSpec) -> np.ndarray:
+    """Sorted target ids of a reduced draft vocabulary; never the mask token."""
+    candidates = np.setdiff1d(np.arange(d.n_vocab), [d.mask_token_id])
+    chosen = _tensor_rng("d2t", d.seed).choice(candidates, size=d.draft_vocab_size, replace=False)
+    return np.sort(chosen).astype(np.int64)
+
+
+def _draft_vocab_tensors(d: _DraftSpec, target_weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """embed_tokens, lm_head (or its reduced rows) and d2t/t2d, as the checkpoint stores them."""
+    head = target_weights.get("output.weight", target_weights["token_embd.weight"])
+    out = {f"{d.prefix}embed_tokens.weight": target_weights["token_embd.weight"]}
+    if d.draft_vocab_size is None:
+        out["lm_head.weight"] = head
+        return out
+    ids = _draft_vocab_ids(d)
+    out["lm_head.weight"] = head[ids]
+    # EAGLE-3 convention: d2t holds offsets (target id - draft id), t2d a target-side mask
+    out["d2t"] = ids - np.arange(ids.size, dtype=np.int64)
+    t2d = np.zeros(d.n_vocab, dtype=np.bool_)
+    t2d[ids] = True
+    out["t2d"] = t2d
+    return out
+
+
+def _dspark_fields(d: _DraftSpec) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "block_size": d.block_size, "target_layer_ids": list(d.target_layer_ids),
+        "mask_token_id": d.mask_token_id, "markov_rank": d.markov_rank, "markov_head_type": "vanilla",
+        "enable_confidence_head": d.confidence_head, "confidence_head_with_markov": d.confidence_with_markov,
+    }
+    if d.draft_vocab_size is not None:
+        fields["draft_vocab_size"] = d.draft_vocab_size
+    return fields
+
+
+def _dspark_config(d: _DraftSpec, style: str, dtype: str) -> dict[str, Any]:
+    t = d.target
+    config: dict[str, Any] = {
+        "architectures": [DSPARK_ARCHITECTURE], "model_type": "qwen3",
+        "hidden_size": t.n_embd, "intermediate_size": t.n_ff, "num_hidden_layers": d.n_layer,
+        "num_attention_heads": t.n_head, "num_key_value_heads": t.n_head_kv, "head_dim": d.head_dim,
+        "max_position_embeddings": t.n_ctx_train, "rms_norm_eps": _RMS_EPS,
+        "rope_theta": 10000.0 if t.arch == "llama" else 1.0e6, "vocab_size": d.n_vocab,
+        "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+        "torch_dtype": {"bf16": "bfloat16", "f16": "float16", "f32": "float32"}[dtype],
+    }
+    fields = _dspark_fields(d)
+    if style == "nested":
+        config["dflash_config"] = fields
+    elif style == "aux":
+        # EAGLE-3/SpecForge schema: layer *inputs* (HF id + 1), other fields at the top
+        del fields["target_layer_ids"]
+        config.update(fields, aux_hidden_state_layer_ids=[i + 1 for i in d.target_layer_ids])
+    else:
+        config.update(fields)
+    return config
+
+
+def _write_shards(folder: pathlib.Path, tensors: dict[str, np.ndarray], shards: int, bf16: bool) -> None:
+    from .convert.safetensors import write_safetensors
+
+    if shards == 1:
+        write_safetensors(folder / "model.safetensors", tensors, bf16=bf16)
+        return
+    names = list(tensors)
+    weight_map: dict[str, str] = {}
+    for k in range(shards):
+        part = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = {n: tensors[n] for n in names[k::shards]}  # interleaved, so every shard has several kinds
+        write_safetensors(folder / part, chunk, bf16=bf16)
+        weight_map.update(dict.fromkeys(chunk, part))
+    total = sum(int(np.asarray(a).nbytes) for a in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
+
+
+def _validate_draft_args(n_layer: int, dtype: str, config_style: str, shards: int) -> None:
+    if n_layer < 1:
+        raise ValueError(f"n_layer must be >= 1, got {n_layer}")
+    if dtype not in DSPARK_DTYPES:
+        raise ValueError(f"dtype must be one of {DSPARK_DTYPES}, got {dtype!r}")
+    if config_style not in DSPARK_CONFIG_STYLES:
+        raise ValueError(f"config_style must be one of {DSPARK_CONFIG_STYLES}, got {config_style!r}")
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+
+
+def _draft_tensors(d: _DraftSpec, target_path: pathlib.Path, with_shared_embeddings: bool) -> dict[str, np.ndarray]:
+    h, p = d.target.n_embd, d.prefix
+    tensors = {f"{p}fc.weight": _draft_matrix("fc", (h, len(d.target_layer_ids) * h), d.seed),
+               f"{p}hidden_norm.weight": _draft_norm("hidden_norm", h, d.seed)}
+    for il in range(d.n_layer):
+        tensors.update(_draft_layer(d, il))
+    tensors[f"{p}norm.weight"] = _draft_norm("norm", h, d.seed)
+    tensors.update(_draft_heads(d))
+    vocab = _draft_vocab_tensors(d, load_tiny_weights(target_path))
+    if not with_shared_embeddings:
+        # a reduced-vocabulary drafter always ships its own (smaller) head
+        vocab = {k: v for k, v in vocab.items() if k != "lm_head.weight" or d.draft_vocab_size is not None}
+        vocab.pop(f"{p}embed_tokens.weight")
+    tensors.update(vocab)
+    return tensors
+
+
+def write_tiny_dspark_checkpoint(
+    folder: str | os.PathLike[str], *, target: TinySpec, n_layer: int = 1, block_size: int = 4,
+    target_layer_ids: tuple[int, ...] | None = None, markov_rank: int = 8, confidence_head: bool = True,
+    confidence_with_markov: bool = True, dtype: str = "bf16", config_style: str = "top", shards: int = 1,
+    with_shared_embeddings: bool = True, draft_vocab_size: int | None = None, prefix: str = "model.",
+    seed: int = 0, target_cache_dir: str | os.PathLike[str] | None = None,
+) -> pathlib.Path:
+    """Write a tiny random Hugging Face DSpark drafter checkpoint for ``target`` into ``folder``.
+
+    The folder gets ``config.json`` (architecture ``DSparkDraftModel``, model
+    type ``qwen3``) and safetensors, in the layout pyllama_dspark.convert and
+    the vendored ``convert_hf_to_gguf.py`` read. The drafter is as wide as the
+    target (``fc`` is ``[n_embd, n_taps * n_embd]``), uses its vocabulary and
+    ``mask_token_id = n_vocab - 1``. Weights are seeded per tensor name like
+    the target kit's.
+
+    Args:
+        folder: created if missing; existing files of the same names are replaced.
+        target: the target model's spec; its GGUF is built (or reused) with
+            ``tiny_model(target, target_cache_dir)``.
+        n_layer: drafter layers.
+        block_size: DSpark block size B.
+        target_layer_ids: HF taps (outputs of layer i); default
+            ``default_dspark_target_layer_ids(target.n_layer)``.
+        markov_rank: rank R of the Markov head; 0 writes none.
+        confidence_head: write ``confidence_head.proj`` (weight + bias).
+        confidence_with_markov: the head reads ``[h ; w1[prev]]`` (width
+            n_embd + R) rather than ``h`` alone (width n_embd).
+        dtype: ``bf16`` (as released checkpoints), ``f16`` or ``f32``.
+        config_style: ``top`` (DSpark fields at the top level), ``nested``
+            (in ``dflash_config``) or ``aux`` (``aux_hidden_state_layer_ids``,
+            +1 based).
+        shards: 1 writes ``model.safetensors``; more write
+            ``model-0000k-of-0000n.safetensors`` plus the index.
+        with_shared_embeddings: include ``embed_tokens``/``lm_head``, copies
+            of the target's ``token_embd``/``output`` (its ``token_embd`` when tied).
+        draft_vocab_size: a reduced draft vocabulary: ``lm_head`` holds those
+            rows of the target's head, with ``d2t`` offsets and a ``t2d`` mask.
+        prefix: ``"model."`` (default), ``""`` or ``"drafter."`` before every
+            tensor name except ``lm_head``, ``d2t`` and ``t2d``.
+        seed: weight seed.
+        target_cache_dir: where ``tiny_model`` keeps the target GGUF.
+
+    Returns:
+        ``folder`` as a Path.
+    """
+    _validate_draft_args(n_layer, dtype, config_style, shards)
+    target_path = tiny_model(target, target_cache_dir)
+    n_vocab = _derive_dims(target).n_vocab
+    d = _DraftSpec(
+        target=target, n_layer=n_layer, n_vocab=n_vocab, head_dim=target.n_embd // target.n_head,
+        block_size=block_size,
+        target_layer_ids=tuple(target_layer_ids) if target_layer_ids is not None
+        else default_dspark_target_layer_ids(target.n_layer),
+        mask_token_id=n_vocab - 1, markov_rank=markov_rank, confidence_head=confidence_head,
+        confidence_with_markov=confidence_with_markov, draft_vocab_size=draft_vocab_size, prefix=prefix, seed=seed,
+    )
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = _dspark_config(d, config_style, dtype)
+    (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    tensors = _draft_tensors(d, target_path, with_shared_embeddings)
+    if dtype == "f16":
+        tensors = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
+    _write_shards(folder, tensors, shards, bf16=dtype == "bf16")
+    return folder

@@ -188,3 +188,11 @@ def test_bad_sequence_ids(ctx):
         ctx.decode(batch)
     with pytest.raises(ValueError):
         ctx.seq_rm(5)
+
+
+def test_too_many_recurrent_snapshots_for_the_ubatch(make_model):
+    """llama.cpp asserts (aborts) when n_rs_seq + 1 >= n_ubatch on a hybrid model; we refuse first."""
+    with Model(make_model(arch="qwen35")) as model:
+        with pytest.raises(ValueError, match="n_rs_seq"):
+            Context(model, n_ctx=64, n_batch=16, n_ubatch=8, n_rs_seq=7)
+        Context(model, n_ctx=64, n_batch=16, n_ubatch=8, n_rs_seq=6).close()

@@ -151,3 +151,27 @@ def test_prompt_errors(make_model):
             spec.generate([], max_tokens=4)
         with pytest.raises(ValueError, match="does not fit"):
             spec.generate([1] * ctx.n_ctx, max_tokens=4)
+
+
+def test_stop_strings_across_block_boundaries_and_streaming(make_model):
+    with Model(make_model(arch="llama", vocab="llama-spm")) as model:
+        prompt = "The quick brown fox"
+        ctx = Context(model, n_ctx=256, n_batch=32)
+        plain = generate(ctx, prompt, max_tokens=40, stop_at_eog=False)
+        ids = model.tokenize(prompt, parse_special=True).tolist()
+        pieces = [model.token_to_piece(t).decode("utf-8", "replace") for t in plain.tokens]
+        spec = Speculator(ctx, drafters.oracle(ids + plain.tokens, model.n_vocab, block_size=4), n_draft=4)
+        full = spec.generate(prompt, max_tokens=40, stop_at_eog=False)
+        assert full.tokens == plain.tokens and full.text == plain.text
+        # a stop string made of the end of token 5 and the start of token 6: tokens 1..4 are one round
+        # (oracle, 4 drafts + bonus), so it spans the boundary between the 2nd and 3rd rounds' text
+        boundary = len("".join(pieces[:6]))
+        stop = plain.text[boundary - 2: boundary + 2]
+        assert len(stop.strip()) >= 2
+        cut = plain.text.find(stop)
+        result = spec.generate(prompt, max_tokens=40, stop_at_eog=False, stop=[stop])
+        assert result.stop_reason == "stop"
+        assert result.text == plain.text[:cut]
+        streamed = "".join(e.text for e in spec.generate(prompt, max_tokens=40, stop_at_eog=False, stop=[stop],
+                                                         stream=True))
+        assert streamed == plain.text[:cut]

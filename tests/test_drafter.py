@@ -1,0 +1,138 @@
+"""The native DSpark drafter against the numpy reference, its index conventions and its checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dspark_reference as ref
+from pyllama_dspark import Batch, Context, Model
+from pyllama_dspark.convert.converter import convert
+from pyllama_dspark.drafter import DrafterError, DSparkDrafter
+from pyllama_dspark.testing import TinySpec, load_tiny_weights, tiny_model, write_tiny_dspark_checkpoint
+
+TARGET = TinySpec(arch="llama", n_layer=3)
+
+
+@pytest.fixture(scope="module")
+def target_path(model_dir):
+    return tiny_model(TARGET, cache_dir=model_dir)
+
+
+@pytest.fixture(scope="module")
+def make_drafter(model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("drafters")
+    cache = {}
+
+    def build(**options):
+        key = tuple(sorted(options.items()))
+        if key not in cache:
+            name = "-".join(f"{k}{v}" for k, v in key) or "default"
+            ck = write_tiny_dspark_checkpoint(folder / f"ck-{name}", target=TARGET, dtype="f32",
+                                              target_cache_dir=model_dir, **options)
+            out = folder / f"drafter-{name}.gguf"
+            convert(ck, out, outtype="f32", target_gguf=tiny_model(TARGET, cache_dir=model_dir))
+            cache[key] = out
+        return cache[key]
+
+    return build
+
+
+def native_and_reference(target_path, drafter_path, n_context, anchor=77, prev_tokens=None):
+    weights = load_tiny_weights(target_path)
+    prompt = (np.arange(n_context) * 37 % 250 + 1).tolist()
+    with Model(target_path) as model:
+        ctx = Context(model, n_ctx=256, n_batch=64)
+        drafter = DSparkDrafter(drafter_path, ctx)
+        ctx.set_capture_layers(drafter.capture_layers, masked=False)
+        batch = Batch(64)
+        batch.add_tokens(prompt, 0, logits="last")
+        ctx.decode(batch)
+        rows = ctx.capture().copy()
+        drafter.observe(np.array(prompt), rows, 0)
+        draft = drafter.propose(anchor, n_context)
+        info = drafter.info
+        expected = ref.draft_forward(drafter_path, features=rows, anchor=anchor, mask_token=info.mask_token,
+                                     block_size=info.block_size, target_token_embd=weights["token_embd.weight"],
+                                     target_output=weights["output.weight"], prev_tokens=prev_tokens)
+        drafter.close()
+    return draft, expected, info
+
+
+def rel_err(a, b):
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+@pytest.mark.parametrize("block_size", [4, 7])
+@pytest.mark.parametrize("confidence_head", [True, False])
+@pytest.mark.parametrize("markov_rank", [0, 8])
+def test_slot_logits_match_the_numpy_reference(target_path, make_drafter, block_size, confidence_head, markov_rank):
+    path = make_drafter(block_size=block_size, confidence_head=confidence_head and markov_rank > 0,
+                        markov_rank=markov_rank)
+    for n_context in (3, 17, 40):
+        draft, expected, info = native_and_reference(target_path, path, n_context)
+        assert len(draft.tokens) == block_size  # anchor-first: B drafts from a block of B
+        assert rel_err(draft.logits, expected.logits) < 1e-3
+        assert draft.tokens.tolist() == expected.tokens
+        if info.has_confidence:
+            np.testing.assert_allclose(draft.confidence, expected.confidence, atol=1e-3)
+
+
+def test_markov_chain_uses_the_chosen_previous_token(target_path, make_drafter):
+    """A graph that biased every slot with the block's input ids (anchor, then mask) would match this
+    alternative reference, not the real one."""
+    path = make_drafter(block_size=4, markov_rank=8)
+    draft, expected, info = native_and_reference(target_path, path, 12)
+    wrong = ref.draft_forward(path, features=_features(target_path, path, 12), anchor=77, mask_token=info.mask_token,
+                              block_size=4, target_token_embd=load_tiny_weights(target_path)["token_embd.weight"],
+                              target_output=load_tiny_weights(target_path)["output.weight"],
+                              prev_tokens=[info.mask_token] * 3)
+    assert rel_err(draft.logits, expected.logits) < 1e-3
+    assert rel_err(draft.logits[1:], wrong.logits[1:]) > 1e-2
+
+
+def _features(target_path, drafter_path, n_context):
+    prompt = (np.arange(n_context) * 37 % 250 + 1).tolist()
+    with Model(target_path) as model:
+        ctx = Context(model, n_ctx=256, n_batch=64)
+        drafter = DSparkDrafter(drafter_path, ctx)
+        ctx.set_capture_layers(drafter.capture_layers, masked=False)
+        batch = Batch(64)
+        batch.add_tokens(prompt, 0)
+        ctx.decode(batch)
+        rows = ctx.capture().copy()
+        drafter.close()
+    return rows
+
+
+def test_capture_ids_are_gguf_taps_minus_one(target_path, make_drafter):
+    """GGUF dflash.target_layers are layer inputs (HF id + 1); the capture API takes outputs (HF id).
+    Feeding the drafter the rows of the neighbouring layers changes its logits: an off-by-one would show."""
+    path = make_drafter(block_size=4, markov_rank=8)
+    with Model(target_path) as model, Model(path) as drafter_model:
+        taps = drafter_model.target_layers
+        ctx = Context(model, n_ctx=64)
+        drafter = DSparkDrafter(path, ctx)
+        assert drafter.capture_layers == [t - 1 for t in taps]
+        drafter.close()
+    draft, expected, info = native_and_reference(target_path, path, 12)
+    rows = _features(target_path, path, 12)
+    shifted = ref.draft_forward(path, features=np.roll(rows, 1, axis=1), anchor=77, mask_token=info.mask_token,
+                                block_size=4, target_token_embd=load_tiny_weights(target_path)["token_embd.weight"],
+                                target_output=load_tiny_weights(target_path)["output.weight"])
+    assert rel_err(draft.logits, expected.logits) < 1e-3
+    assert rel_err(draft.logits, shifted.logits) > 1e-2
+
+
+def test_incompatible_target_is_refused(make_drafter, model_dir):
+    path = make_drafter(block_size=4, markov_rank=8)
+    for other in (TinySpec(arch="llama", n_layer=3, n_embd=128), TinySpec(arch="llama", n_layer=3, n_vocab=300),
+                  TinySpec(arch="llama", n_layer=1)):
+        with Model(tiny_model(other, cache_dir=model_dir)) as model:
+            ctx = Context(model, n_ctx=64)
+            with pytest.raises(DrafterError):
+                DSparkDrafter(path, ctx)
+    with Model(tiny_model(TARGET, cache_dir=model_dir)) as model:
+        ctx = Context(model, n_ctx=64)
+        with pytest.raises(DrafterError, match="not a DFlash"):
+            DSparkDrafter(tiny_model(TARGET, cache_dir=model_dir), ctx)
