@@ -1,4 +1,4 @@
-"""pyllama-dspark command line: generate, info, demo, convert.
+"""pyllama-dspark command line: generate, bench, info, convert, demo.
 
 Every failure caused by the user's input (missing file, bad GGUF, prompt too
 long, bad option) exits with status 1 and one line on stderr, never a
@@ -35,20 +35,44 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="show the native llama.cpp log")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen = sub.add_parser("generate", help="generate text from a prompt (speculative with --drafter)")
     gen.add_argument("--model", "-m", required=True, help="target model GGUF")
     gen.add_argument("--prompt", "-p", required=True)
     _add_generation_args(gen)
+    _add_drafter_args(gen)
+    gen.add_argument("--stats", action="store_true", help="print the speculative statistics block to stderr")
+
+    bench = sub.add_parser("bench", help="plain vs speculative decoding on the same prompts, in one run")
+    bench.add_argument("--model", "-m", required=True, help="target model GGUF")
+    bench.add_argument("--drafter", "-md", required=True, help="DSpark drafter GGUF")
+    bench.add_argument("--prompts", required=True, help='JSONL file: {"prompt": ...} or {"messages": [...]} lines')
+    bench.add_argument("--n-predict", type=int, default=128)
+    bench.add_argument("--n-draft", type=int, default=None, help="draft tokens per round (default: block size)")
+    bench.add_argument("--n-gpu-layers", type=int, default=0)
+    bench.add_argument("--n-threads", type=int, default=None)
+    bench.add_argument("--n-ctx", type=int, default=4096)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
 
     info = sub.add_parser("info", help="print a GGUF model's architecture, sizes and key metadata")
     info.add_argument("model")
     info.add_argument("--json", action="store_true", help="print JSON")
 
-    demo = sub.add_parser("demo", help="build a tiny built-in model and generate from it (no download)")
+    demo = sub.add_parser("demo", help="speculative decoding with a tiny built-in target and DSpark drafter "
+                                       "(built on the spot, no download)")
     demo.add_argument("--prompt", "-p", default="Once upon a time")
     _add_generation_args(demo)
+    demo.add_argument("--n-draft", type=int, default=None)
+    demo.add_argument("--p-min", type=float, default=0.0)
     _add_convert_parser(sub)
     return parser
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", "-md", default=None, help="DSpark drafter GGUF: speculative decoding")
+    p.add_argument("--n-draft", type=int, default=None, help="draft tokens per round (default: block size; "
+                   "larger values are clamped with a warning)")
+    p.add_argument("--p-min", type=float, default=0.0, help="cut drafts at the first slot with confidence < p-min")
 
 
 def _add_convert_parser(sub) -> None:
@@ -66,17 +90,22 @@ def _add_convert_parser(sub) -> None:
                       help="keep token_embd/output even when they equal the target's")
 
 
-def _cmd_generate(args, model_path: Path) -> int:
+def _cmd_generate(args, model_path: Path, drafter_path: Path | None = None) -> int:
+    import time
+
     from .context import Context
-    from .generate import generate
     from .model import Model
 
+    drafter_path = drafter_path or (Path(args.drafter) if getattr(args, "drafter", None) else None)
     with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
-        ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
-        events = generate(ctx, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True)
-        import time
+        if drafter_path is None:
+            from .generate import generate
 
+            ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
+            events, stats = generate(ctx, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True), None
+        else:
+            events, stats = _speculative_events(args, model, drafter_path)
         t0 = time.perf_counter()
         n = 0
         for event in events:
@@ -87,6 +116,49 @@ def _cmd_generate(args, model_path: Path) -> int:
         sys.stdout.write("\n")
         print(f"generated {n} tokens in {elapsed:.3f} s: {n / elapsed if elapsed else 0.0:.2f} tok/s "
               "(prefill included)", file=sys.stderr)
+        if stats is not None and (getattr(args, "stats", False) or args.command == "demo"):
+            print(stats.format(), file=sys.stderr)
+    return 0
+
+
+def _speculative_events(args, model, drafter_path: Path):
+    from .context import Context
+    from .drafter import DSparkDrafter
+    from .speculative import Speculator
+
+    block = DSparkDrafter.peek_block_size(drafter_path)
+    n_draft = min(args.n_draft, block) if args.n_draft is not None else block
+    hybrid = model.is_hybrid or model.is_recurrent
+    ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
+                  n_rs_seq=Speculator.target_rs_seq(n_draft) if hybrid else 0)
+    drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, n_gpu_layers=args.n_gpu_layers,
+                            p_min=args.p_min)
+    spec = Speculator(ctx, drafter, n_draft=args.n_draft)
+    result_holder = spec.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True)
+    return result_holder, spec.last_stats
+
+
+def _cmd_bench(args) -> int:
+    from .bench import BenchSummary, load_prompts, run_bench
+    from .model import Model
+
+    prompts = load_prompts(args.prompts)
+    summary = BenchSummary()
+    with Model(args.model, n_gpu_layers=args.n_gpu_layers) as model:
+        for result in run_bench(model, args.drafter, prompts, n_predict=args.n_predict, n_draft=args.n_draft,
+                                n_threads=args.n_threads, n_ctx=args.n_ctx, temperature=args.temperature):
+            summary.results.append(result)
+            st = result.stats
+            ar = len(result.ar_tokens) / result.ar_t_decode if result.ar_t_decode else 0.0
+            print(f"prompt {result.index}: n_prompt={result.n_prompt} n_predicted={st.n_generated} "
+                  f"rounds={st.rounds} drafted={st.drafted} accepted={st.accepted} accept={st.accept_rate:.3f} "
+                  f"tau={st.tau:.3f} ar_tok_s={ar:.2f} sp_tok_s={st.decode_tok_s:.2f} "
+                  f"match={'yes' if result.match else f'no (first mismatch at {result.first_mismatch})'}",
+                  flush=True)
+    print(summary.overall_line())
+    if args.json:
+        args.json.write_text(json.dumps(summary.as_dict(), indent=2))
     return 0
 
 
@@ -124,13 +196,20 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .testing import TinySpec, tiny_model
+    from .convert.converter import convert
+    from .testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
 
+    folder = Path(tempfile.gettempdir()) / "pyllama-dspark-demo"
     spec = TinySpec(arch="llama", vocab="llama-spm", n_layer=2, n_embd=64, seed=0)
-    path = tiny_model(spec, cache_dir=Path(tempfile.gettempdir()) / "pyllama-dspark-demo")
-    print(f"demo: tiny random-weight model {path} (its text is noise; the point is the pipeline)",
-          file=sys.stderr)
-    return _cmd_generate(args, path)
+    target = tiny_model(spec, cache_dir=folder)
+    drafter = folder / f"dspark-{target.stem}.gguf"
+    if not drafter.exists():
+        checkpoint = write_tiny_dspark_checkpoint(folder / f"dspark-hf-{target.stem}", target=spec, block_size=4,
+                                                  target_cache_dir=folder)
+        convert(checkpoint, drafter, target_gguf=target)
+    print(f"demo: DSpark speculative decoding with a tiny random-weight target {target.name} and drafter "
+          f"{drafter.name}, built on the spot (the text is noise; the pipeline is real)", file=sys.stderr)
+    return _cmd_generate(args, target, drafter)
 
 
 def _cmd_convert(args) -> int:
@@ -153,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _cmd_generate(args, Path(args.model))
+        if args.command == "bench":
+            return _cmd_bench(args)
         if args.command == "info":
             return _cmd_info(args)
         if args.command == "convert":

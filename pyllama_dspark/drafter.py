@@ -181,6 +181,14 @@ class DSparkDrafter:
     def block_size(self) -> int:
         return self.info.block_size
 
+    @staticmethod
+    def peek_block_size(path) -> int:
+        """dflash.block_size of a drafter GGUF, read without loading it (0 if absent)."""
+        import gguf
+
+        field = gguf.GGUFReader(path).get_field("dflash.block_size")
+        return int(field.contents()) if field is not None else 0
+
     @property
     def capture_layers(self) -> list[int]:
         return self.info.capture_layers

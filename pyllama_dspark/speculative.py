@@ -90,6 +90,7 @@ class Speculator:
         self.target, self.drafter = target, drafter
         self.n_draft, self.n_draft_min = n_draft, int(n_draft_min)
         self._batch = Batch(max(n_draft + 1, target.n_batch))
+        self.last_stats = SpecStats()
 
     @staticmethod
     def target_rs_seq(n_draft: int) -> int:
@@ -213,7 +214,7 @@ class Speculator:
         """
         sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
         tokens = prompt_tokens(self.target, prompt, add_special=add_special)
-        stats = SpecStats()
+        stats = self.last_stats = SpecStats()  # also readable while streaming
         result = SpecResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
         events = self._events(self.run(tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog,
                                        stats=stats), list(stop), result)

@@ -1,0 +1,132 @@
+"""Plain vs speculative decoding on the same prompts, in one run (``pyllama-dspark bench``).
+
+For every prompt: plain greedy (or sampled) decoding, then speculative decoding with the drafter,
+same target context settings. Reports per prompt and overall: rounds, drafted, accepted, accept
+rate, tau, decode tok/s of both, speedup (sp / ar), and whether the token ids match (at
+temperature 0 anything but all-match is a bug).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .context import Context
+from .drafter import DSparkDrafter
+from .generate import generate, prompt_tokens
+from .model import Model
+from .sampling import Sampler, SamplingParams
+from .speculative import Speculator
+from .stats import SpecStats
+
+
+def load_prompts(path: str | Path) -> list[dict]:
+    """Read a JSONL file of {"prompt": str} or {"messages": [{"role", "content"}, ...]} lines.
+
+    Raises:
+        ValueError: a line that is not JSON or has neither key (with its line number).
+    """
+    prompts = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from None
+        if not isinstance(item, dict) or not (isinstance(item.get("prompt"), str) or
+                                              isinstance(item.get("messages"), list)):
+            raise ValueError(f'{path}:{number}: expected {{"prompt": ...}} or {{"messages": [...]}}')
+        prompts.append(item)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+@dataclass
+class PromptResult:
+    index: int
+    n_prompt: int
+    ar_tokens: list[int]
+    sp_tokens: list[int]
+    ar_t_decode: float
+    stats: SpecStats
+
+    @property
+    def match(self) -> bool:
+        return self.ar_tokens == self.sp_tokens
+
+    @property
+    def first_mismatch(self) -> int | None:
+        for i, (a, b) in enumerate(zip(self.ar_tokens, self.sp_tokens)):
+            if a != b:
+                return i
+        return None if len(self.ar_tokens) == len(self.sp_tokens) else min(len(self.ar_tokens), len(self.sp_tokens))
+
+
+@dataclass
+class BenchSummary:
+    results: list[PromptResult] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        rs = self.results
+        ar_tokens = sum(len(r.ar_tokens) for r in rs)
+        ar_time = sum(r.ar_t_decode for r in rs)
+        sp_tokens = sum(r.stats.n_generated for r in rs)
+        sp_time = sum(r.stats.t_decode for r in rs)
+        rounds = sum(r.stats.rounds for r in rs)
+        drafted = sum(r.stats.drafted for r in rs)
+        accepted = sum(r.stats.accepted for r in rs)
+        ar_tok_s = ar_tokens / ar_time if ar_time else 0.0
+        sp_tok_s = sp_tokens / sp_time if sp_time else 0.0
+        return {
+            "prompts": len(rs), "n_predicted": sp_tokens, "rounds": rounds, "drafted": drafted, "accepted": accepted,
+            "accept": accepted / drafted if drafted else 0.0, "tau": accepted / rounds + 1 if rounds else 0.0,
+            "ar_tok_s": ar_tok_s, "sp_tok_s": sp_tok_s, "speedup": sp_tok_s / ar_tok_s if ar_tok_s else 0.0,
+            "token_match": sum(r.match for r in rs), "token_match_of": len(rs),
+            "per_prompt": [{"index": r.index, "n_prompt": r.n_prompt, "match": r.match,
+                            "first_mismatch": r.first_mismatch, **r.stats.as_dict(),
+                            "ar_tok_s": len(r.ar_tokens) / r.ar_t_decode if r.ar_t_decode else 0.0} for r in rs],
+        }
+
+    def overall_line(self) -> str:
+        d = self.as_dict()
+        return (f"=== OVERALL: prompts={d['prompts']} n_predicted={d['n_predicted']} rounds={d['rounds']} "
+                f"drafted={d['drafted']} accepted={d['accepted']} accept={d['accept']:.3f} tau={d['tau']:.3f} "
+                f"ar_tok_s={d['ar_tok_s']:.2f} sp_tok_s={d['sp_tok_s']:.2f} speedup={d['speedup']:.3f} "
+                f"token_match={d['token_match']}/{d['token_match_of']} ===")
+
+
+def run_bench(model: Model, drafter_path: str | Path, prompts: list[dict], *, n_predict: int, n_draft: int | None = None,
+              n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512, temperature: float = 0.0,
+              seed: int | None = 0) -> Iterator[PromptResult]:
+    """Yield one PromptResult per prompt: plain then speculative decoding on the same context.
+
+    Raises:
+        ValueError: chat prompts for a model without a chat template (checked before any decoding).
+    """
+    if any("messages" in item for item in prompts) and model.chat_template is None:
+        raise ValueError(f"{model.path.name} has no chat template: chat ({{\"messages\"}}) prompts cannot be formatted")
+    block = int(DSparkDrafter.peek_block_size(drafter_path))
+    k = block if n_draft is None else min(n_draft, block)
+    hybrid = model.is_hybrid or model.is_recurrent
+    ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
+                  n_rs_seq=Speculator.target_rs_seq(k) if hybrid else 0)
+    drafter = DSparkDrafter(drafter_path, ctx, n_threads=n_threads)
+    try:
+        spec = Speculator(ctx, drafter, n_draft=n_draft)
+        for index, item in enumerate(prompts):
+            text = item["prompt"] if "prompt" in item else model.apply_chat_template(item["messages"])
+            plain = generate(ctx, text, max_tokens=n_predict, temperature=temperature, seed=seed)
+            tokens = prompt_tokens(ctx, text)
+            stats = SpecStats()
+            sampler = Sampler(SamplingParams(temperature=temperature, seed=seed))
+            sp_tokens = [t for step in spec.run(tokens, max_tokens=n_predict, sampler=sampler, stats=stats)
+                         for t in step.tokens]
+            yield PromptResult(index=index, n_prompt=len(tokens), ar_tokens=plain.tokens, sp_tokens=sp_tokens,
+                               ar_t_decode=plain.t_decode, stats=stats)
+    finally:
+        drafter.close()
+        ctx.close()
