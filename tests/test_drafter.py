@@ -136,3 +136,37 @@ def test_incompatible_target_is_refused(make_drafter, model_dir):
         ctx = Context(model, n_ctx=64)
         with pytest.raises(DrafterError, match="not a DFlash"):
             DSparkDrafter(tiny_model(TARGET, cache_dir=model_dir), ctx)
+
+
+def test_sampled_drafts_chain_the_markov_bias_through_the_drawn_tokens(target_path, make_drafter):
+    """With temperature > 0 each slot's q must be conditioned on the token actually drawn at the previous
+    slot (not the graph's greedy chain)."""
+    from pyllama_dspark.sampling import Sampler, SamplingParams, probabilities
+
+    path = make_drafter(block_size=4, markov_rank=8)
+    weights = load_tiny_weights(target_path)
+    prompt = (np.arange(12) * 37 % 250 + 1).tolist()
+    params = SamplingParams(temperature=1.5, seed=11)
+    with Model(target_path) as model:
+        ctx = Context(model, n_ctx=256, n_batch=64)
+        drafter = DSparkDrafter(path, ctx)
+        ctx.set_capture_layers(drafter.capture_layers, masked=False)
+        batch = Batch(64)
+        batch.add_tokens(prompt, 0)
+        ctx.decode(batch)
+        rows = ctx.capture().copy()
+        drafter.observe(np.array(prompt), rows, 0)
+        sampler = Sampler(params)
+        differs = False
+        for _ in range(5):
+            draft = drafter.propose(77, len(prompt), sampler=sampler)
+            expected = ref.draft_forward(path, features=rows, anchor=77, mask_token=drafter.info.mask_token,
+                                         block_size=4, target_token_embd=weights["token_embd.weight"],
+                                         target_output=weights["output.weight"],
+                                         prev_tokens=draft.tokens[:-1].tolist())
+            assert rel_err(draft.logits, expected.logits) < 1e-3
+            q = np.stack([probabilities(row, params) for row in expected.logits])
+            np.testing.assert_allclose(draft.probs, q, atol=1e-3)
+            differs |= draft.tokens[:-1].tolist() != expected.tokens[:-1]
+        drafter.close()
+    assert differs, "no draw left the greedy chain: the test did not exercise the re-chaining"
