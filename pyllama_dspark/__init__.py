@@ -2,10 +2,11 @@
 
 Quick use::
 
-    from pyllama_dspark import Model, Context, generate
+    from pyllama_dspark import Model, Context, DSparkDrafter, Speculator
     with Model("target.gguf") as model:
         ctx = Context(model, n_ctx=4096)
-        print(generate(ctx, "Hello", max_tokens=32).text)
+        spec = Speculator(ctx, DSparkDrafter("drafter.gguf", ctx))
+        print(spec.generate("Hello", max_tokens=32).text)
 """
 
 __version__ = "0.1.0"
@@ -27,12 +28,16 @@ from .errors import (  # noqa: E402
     MemoryOpError,
     ModelLoadError,
 )
+from .drafter import Draft, Drafter, DrafterError, DSparkDrafter  # noqa: E402
 from .generate import GenerationResult, TokenEvent, generate  # noqa: E402
-from .model import Model  # noqa: E402
+from .model import Model, quantize  # noqa: E402
 from .sampling import Sampler, SamplingParams  # noqa: E402
+from .speculative import SpecResult, Speculator, Step  # noqa: E402
+from .stats import SpecStats  # noqa: E402
 
 __all__ = [
-    "Batch", "EmbdBatch", "Context", "Model", "generate", "GenerationResult", "TokenEvent",
+    "Batch", "EmbdBatch", "Context", "Model", "quantize", "generate", "GenerationResult", "TokenEvent",
+    "Speculator", "Step", "SpecResult", "SpecStats", "DSparkDrafter", "Drafter", "Draft", "DrafterError",
     "Sampler", "SamplingParams", "build_info",
     "LlamaError", "ModelLoadError", "ContextInitError", "DecodeError", "KvCacheFullError",
     "DecodeAbortedError", "InvalidBatchError", "FatalDecodeError", "MemoryOpError", "CaptureError",

@@ -34,3 +34,9 @@ def test_bench_overhead_small(tmp_path):
         pytest.skip("llama-simple not built (install with -C cmake.define.PYLLAMA_DSPARK_TOOLS=llama-simple)")
     result = run_script("bench_overhead.py", "--n-predict", "32", "--repeats", "1", tmp_path=tmp_path)
     assert result["cpp_us_per_token"] > 0 and result["ours_us_per_token"] > 0
+
+
+def test_bench_ceiling_small(tmp_path):
+    result = run_script("bench_ceiling.py", "--n-layer", "2", "--n-embd", "64", "--n-predict", "16", "--n-draft", "2",
+                        "--repeats", "1", tmp_path=tmp_path)
+    assert result["speedup"]["spec_k2"] > 0
