@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -38,8 +40,9 @@ def make_drafter(model_dir, tmp_path_factory):
     return build
 
 
-def native_and_reference(target_path, drafter_path, n_context, anchor=77, prev_tokens=None):
-    weights = load_tiny_weights(target_path)
+@contextlib.contextmanager
+def prefilled(target_path, drafter_path, n_context):
+    """A drafter that has observed the target's capture rows of an n_context-token prompt: (drafter, rows)."""
     prompt = (np.arange(n_context) * 37 % 250 + 1).tolist()
     with Model(target_path) as model:
         ctx = Context(model, n_ctx=256, n_batch=64)
@@ -50,13 +53,23 @@ def native_and_reference(target_path, drafter_path, n_context, anchor=77, prev_t
         ctx.decode(batch)
         rows = ctx.capture().copy()
         drafter.observe(np.array(prompt), rows, 0)
+        try:
+            yield drafter, rows
+        finally:
+            drafter.close()
+
+
+def reference(target_path, drafter_path, rows, info, anchor=77, prev_tokens=None):
+    weights = load_tiny_weights(target_path)
+    return ref.draft_forward(drafter_path, features=rows, anchor=anchor, mask_token=info.mask_token,
+                             block_size=info.block_size, target_token_embd=weights["token_embd.weight"],
+                             target_output=weights["output.weight"], prev_tokens=prev_tokens)
+
+
+def native_and_reference(target_path, drafter_path, n_context, anchor=77):
+    with prefilled(target_path, drafter_path, n_context) as (drafter, rows):
         draft = drafter.propose(anchor, n_context)
-        info = drafter.info
-        expected = ref.draft_forward(drafter_path, features=rows, anchor=anchor, mask_token=info.mask_token,
-                                     block_size=info.block_size, target_token_embd=weights["token_embd.weight"],
-                                     target_output=weights["output.weight"], prev_tokens=prev_tokens)
-        drafter.close()
-    return draft, expected, info
+        return draft, reference(target_path, drafter_path, rows, drafter.info, anchor), drafter.info
 
 
 def rel_err(a, b):
@@ -82,27 +95,12 @@ def test_markov_chain_uses_the_chosen_previous_token(target_path, make_drafter):
     """A graph that biased every slot with the block's input ids (anchor, then mask) would match this
     alternative reference, not the real one."""
     path = make_drafter(block_size=4, markov_rank=8)
-    draft, expected, info = native_and_reference(target_path, path, 12)
-    wrong = ref.draft_forward(path, features=_features(target_path, path, 12), anchor=77, mask_token=info.mask_token,
-                              block_size=4, target_token_embd=load_tiny_weights(target_path)["token_embd.weight"],
-                              target_output=load_tiny_weights(target_path)["output.weight"],
-                              prev_tokens=[info.mask_token] * 3)
+    with prefilled(target_path, path, 12) as (drafter, rows):
+        draft, info = drafter.propose(77, 12), drafter.info
+    expected = reference(target_path, path, rows, info)
+    wrong = reference(target_path, path, rows, info, prev_tokens=[info.mask_token] * 3)
     assert rel_err(draft.logits, expected.logits) < 1e-3
     assert rel_err(draft.logits[1:], wrong.logits[1:]) > 1e-2
-
-
-def _features(target_path, drafter_path, n_context):
-    prompt = (np.arange(n_context) * 37 % 250 + 1).tolist()
-    with Model(target_path) as model:
-        ctx = Context(model, n_ctx=256, n_batch=64)
-        drafter = DSparkDrafter(drafter_path, ctx)
-        ctx.set_capture_layers(drafter.capture_layers, masked=False)
-        batch = Batch(64)
-        batch.add_tokens(prompt, 0)
-        ctx.decode(batch)
-        rows = ctx.capture().copy()
-        drafter.close()
-    return rows
 
 
 def test_capture_ids_are_gguf_taps_minus_one(target_path, make_drafter):
@@ -115,11 +113,10 @@ def test_capture_ids_are_gguf_taps_minus_one(target_path, make_drafter):
         drafter = DSparkDrafter(path, ctx)
         assert drafter.capture_layers == [t - 1 for t in taps]
         drafter.close()
-    draft, expected, info = native_and_reference(target_path, path, 12)
-    rows = _features(target_path, path, 12)
-    shifted = ref.draft_forward(path, features=np.roll(rows, 1, axis=1), anchor=77, mask_token=info.mask_token,
-                                block_size=4, target_token_embd=load_tiny_weights(target_path)["token_embd.weight"],
-                                target_output=load_tiny_weights(target_path)["output.weight"])
+    with prefilled(target_path, path, 12) as (drafter, rows):
+        draft, info = drafter.propose(77, 12), drafter.info
+    expected = reference(target_path, path, rows, info)
+    shifted = reference(target_path, path, np.roll(rows, 1, axis=1), info)
     assert rel_err(draft.logits, expected.logits) < 1e-3
     assert rel_err(draft.logits, shifted.logits) > 1e-2
 
@@ -144,29 +141,14 @@ def test_sampled_drafts_chain_the_markov_bias_through_the_drawn_tokens(target_pa
     from pyllama_dspark.sampling import Sampler, SamplingParams, probabilities
 
     path = make_drafter(block_size=4, markov_rank=8)
-    weights = load_tiny_weights(target_path)
-    prompt = (np.arange(12) * 37 % 250 + 1).tolist()
     params = SamplingParams(temperature=1.5, seed=11)
-    with Model(target_path) as model:
-        ctx = Context(model, n_ctx=256, n_batch=64)
-        drafter = DSparkDrafter(path, ctx)
-        ctx.set_capture_layers(drafter.capture_layers, masked=False)
-        batch = Batch(64)
-        batch.add_tokens(prompt, 0)
-        ctx.decode(batch)
-        rows = ctx.capture().copy()
-        drafter.observe(np.array(prompt), rows, 0)
-        sampler = Sampler(params)
-        differs = False
+    sampler, differs = Sampler(params), False
+    with prefilled(target_path, path, 12) as (drafter, rows):
         for _ in range(5):
-            draft = drafter.propose(77, len(prompt), sampler=sampler)
-            expected = ref.draft_forward(path, features=rows, anchor=77, mask_token=drafter.info.mask_token,
-                                         block_size=4, target_token_embd=weights["token_embd.weight"],
-                                         target_output=weights["output.weight"],
-                                         prev_tokens=draft.tokens[:-1].tolist())
+            draft = drafter.propose(77, 12, sampler=sampler)
+            expected = reference(target_path, path, rows, drafter.info, prev_tokens=draft.tokens[:-1].tolist())
             assert rel_err(draft.logits, expected.logits) < 1e-3
             q = np.stack([probabilities(row, params) for row in expected.logits])
             np.testing.assert_allclose(draft.probs, q, atol=1e-3)
             differs |= draft.tokens[:-1].tolist() != expected.tokens[:-1]
-        drafter.close()
     assert differs, "no draw left the greedy chain: the test did not exercise the re-chaining"
