@@ -66,6 +66,7 @@ import numpy as np
 from gguf import GGUFValueType as VT
 
 from . import resources
+from .convert.writer import write_atomically
 
 __all__ = [
     "TinySpec",
@@ -482,20 +483,14 @@ def write_tiny_model(path: str | os.PathLike[str], spec: TinySpec) -> pathlib.Pa
         writer.add_tensor(d.name, _init_values(d, spec).astype(_storage_dtype(d, spec)))
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = pathlib.Path(tmp_name)
-    try:
+
+    def write(tmp: pathlib.Path) -> None:
         writer.write_header_to_file(tmp)
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+
+    return write_atomically(path, writer, write)
 
 
 def _spec_digest(spec: TinySpec) -> str:

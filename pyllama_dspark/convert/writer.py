@@ -85,14 +85,26 @@ def write_gguf(path: str | os.PathLike[str], kvs: Sequence[keys.KV], tensors: Se
     Returns:
         ``path`` as a Path.
     """
+    writer = gguf.GGUFWriter(None, keys.ARCH)
+
+    def write(tmp: Path) -> None:
+        _declare(writer, kvs, tensors)
+        _write(writer, tmp, tensors)
+
+    return write_atomically(path, writer, write)
+
+
+def write_atomically(path: str | os.PathLike[str], writer: gguf.GGUFWriter, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a temporary file beside ``path``, then rename it into place.
+
+    On any error the writer is closed and the temporary file removed: no partial file is left.
+    """
     path = Path(path)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
-    writer = gguf.GGUFWriter(None, keys.ARCH)
     try:
-        _declare(writer, kvs, tensors)
-        _write(writer, tmp, tensors)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         writer.close()
