@@ -17,7 +17,8 @@ from cffi import FFI
 CDEF_DIR = Path(__file__).resolve().parent / "_cdef"
 
 # Order matters: types.h declares what the others use.
-CDEF_FILES = ["types.h", "backend.h", "model.h", "vocab.h", "context.h", "memory.h", "batch.h", "dspark.h"]
+CDEF_FILES = ["types.h", "backend.h", "model.h", "vocab.h", "context.h", "memory.h", "batch.h", "threadpool.h",
+              "dspark.h"]
 
 # Declared here, not in a fragment: these are ours, not llama.cpp's.
 EXTRA_CDEF = """
@@ -26,6 +27,7 @@ const char * pyllama_expected_build_info(void);
 """
 
 PREAMBLE = """
+#include "ggml-cpu.h"
 #include "llama.h"
 #include "llama-dspark.h"
 

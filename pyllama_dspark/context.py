@@ -87,6 +87,9 @@ class Context(Owned):
                                    log_tail=_log.tail())
         self._set_ptr(ptr)
         model._adopt(self)  # the native context must be freed before its model
+        # A threadpool of our own: without one ggml starts and joins fresh threads on every decode.
+        self._threadpools = _threadpools(params.n_threads, params.n_threads_batch)
+        lib.llama_attach_threadpool(ptr, *self._threadpools)
         lib.llama_dspark_set_consistent_numerics(ptr, bool(consistent_numerics))
         self.ctx_other = ctx_other
         self._mem = lib.llama_get_memory(ptr)
@@ -100,6 +103,8 @@ class Context(Owned):
 
     def _free(self, ptr) -> None:
         lib.llama_free(ptr)
+        for pool in dict.fromkeys(self._threadpools):  # the context is gone: its pools can go
+            lib.ggml_threadpool_free(pool)
 
     # --- sizes -------------------------------------------------------------------------
     @property
@@ -351,6 +356,18 @@ class Context(Owned):
     def _check_seq(self, seq_id: int) -> None:
         if not 0 <= seq_id < self.n_seq_max:
             raise ValueError(f"sequence id {seq_id} outside [0, {self.n_seq_max})")
+
+
+def _threadpools(n_threads: int, n_threads_batch: int) -> tuple:
+    """(pool for single tokens, pool for batches); one pool when the thread counts agree."""
+    def new(n):
+        params = ffi.new("struct ggml_threadpool_params *", lib.ggml_threadpool_params_default(n))
+        pool = lib.ggml_threadpool_new(params)
+        if pool == ffi.NULL:
+            raise ContextInitError(f"could not start a threadpool of {n} threads", op="ggml_threadpool_new")
+        return pool
+    single = new(n_threads)
+    return (single, single if n_threads_batch == n_threads else new(n_threads_batch))
 
 
 def _check_sizes(**sizes: int) -> None:

@@ -14,7 +14,7 @@ import pytest
 from pyllama_dspark._ffi_build import CDEF_DIR, CDEF_FILES
 
 VENDOR = Path(__file__).resolve().parent.parent / "vendor" / "llama.cpp"
-HEADERS = ["include/llama.h", "include/llama-dspark.h", "ggml/include/ggml.h"]
+HEADERS = ["include/llama.h", "include/llama-dspark.h", "ggml/include/ggml.h", "ggml/include/ggml-cpu.h"]
 
 
 def normalize(text: str) -> str:

@@ -1,0 +1,19 @@
+// Source: ggml/include/ggml.h, ggml/include/ggml-cpu.h, include/llama.h (llama.cpp 0c1e57098 + pyllama-dspark patches).
+
+struct ggml_threadpool_params {
+    int                 n_threads;
+    uint32_t            poll;
+    ...;
+};
+
+struct ggml_threadpool;
+
+typedef struct ggml_threadpool * ggml_threadpool_t;
+
+struct ggml_threadpool_params ggml_threadpool_params_default(int n_threads);
+struct ggml_threadpool *      ggml_threadpool_new           (struct ggml_threadpool_params  * params);
+void                          ggml_threadpool_free          (struct ggml_threadpool * threadpool);
+void llama_attach_threadpool(
+        struct llama_context * ctx,
+           ggml_threadpool_t   threadpool,
+           ggml_threadpool_t   threadpool_batch);
