@@ -17,6 +17,7 @@ from .context import Context  # noqa: E402
 from .errors import (  # noqa: E402
     CaptureError,
     ClosedHandleError,
+    ContextBusyError,
     ContextInitError,
     DecodeAbortedError,
     DecodeError,
@@ -41,5 +42,5 @@ __all__ = [
     "Sampler", "SamplingParams", "build_info",
     "LlamaError", "ModelLoadError", "ContextInitError", "DecodeError", "KvCacheFullError",
     "DecodeAbortedError", "InvalidBatchError", "FatalDecodeError", "MemoryOpError", "CaptureError",
-    "ClosedHandleError", "LibraryMismatchError",
+    "ContextBusyError", "ClosedHandleError", "LibraryMismatchError",
 ]

@@ -1,5 +1,13 @@
 """Context: a model's inference state (KV cache / recurrent state) and decode.
 
+Threads: every native call on a context holds the context's lock, so calls
+from several threads never overlap inside llama.cpp (which would corrupt its
+buffers or abort the process). A generation (plain or speculative, streaming
+included) also *owns* its context from its first decode until it finishes or
+its iterator is closed: a second generation started meanwhile raises
+ContextBusyError at once. Use one Context per thread; contexts of one Model
+can run in parallel.
+
 View lifetime: ``logits()``, ``capture()``, ``capture_row()`` and
 ``layer_input()`` return numpy views over llama.cpp's output buffer. A view is
 valid only until the next ``decode`` on the same context (or its close, or a
@@ -8,7 +16,10 @@ change of what is captured); call ``.copy()`` to keep the numbers.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import threading
 
 import numpy as np
 
@@ -17,11 +28,25 @@ from ._lib import ffi, lib
 from ._owned import Owned
 from . import capture as _capture
 from .batch import Batch, EmbdBatch
-from .errors import CaptureError, ContextInitError, InvalidBatchError, MemoryOpError, decode_error
+from .errors import (CaptureError, ContextBusyError, ContextInitError, InvalidBatchError, LlamaError, MemoryOpError,
+                     decode_error)
 from .model import Model
 
 
 _KV_TYPES = {"f16": lib.GGML_TYPE_F16, "f32": lib.GGML_TYPE_F32}
+
+
+def _serialised(method):
+    """Run a Context method under the context's lock (native calls on one context must not overlap)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
+# Architectures whose graphs expose every layer input (patch 0007 refuses the others natively too).
+_LAYER_INPUT_ARCHS = ("llama", "qwen3", "qwen35")
 
 
 def default_threads() -> int:
@@ -59,6 +84,9 @@ class Context(Owned):
                  n_seq_max: int = 1, n_threads: int | None = None, n_threads_batch: int | None = None,
                  n_rs_seq: int = 0, ctx_other: "Context | None" = None, kv_type: str = "f16",
                  flash_attn: bool | None = None, consistent_numerics: bool = True):
+        self._lock = threading.RLock()
+        self._claim_lock = threading.Lock()
+        self._owner: str | None = None  # what owns the context: a running generation, or None
         n_ubatch = n_batch if n_ubatch is None else n_ubatch
         _check_sizes(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max)
         if n_ubatch > n_batch:
@@ -71,6 +99,8 @@ class Context(Owned):
         if kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
         self.model = model
+        self.ctx_other = ctx_other
+        self._threadpools: tuple = ()
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_ubatch
         params.n_seq_max, params.n_rs_seq = n_seq_max, n_rs_seq
@@ -90,8 +120,8 @@ class Context(Owned):
         # A threadpool of our own: without one ggml starts and joins fresh threads on every decode.
         self._threadpools = _threadpools(params.n_threads, params.n_threads_batch)
         lib.llama_attach_threadpool(ptr, *self._threadpools)
-        lib.llama_dspark_set_consistent_numerics(ptr, bool(consistent_numerics))
-        self.ctx_other = ctx_other
+        _check_status(lib.llama_dspark_set_consistent_numerics(ptr, bool(consistent_numerics)),
+                      "llama_dspark_set_consistent_numerics")
         self._mem = lib.llama_get_memory(ptr)
         self._n_vocab = model.n_vocab
         self._outputs = np.zeros(0, dtype=np.int64)  # batch indices with logits in the last decode
@@ -101,10 +131,48 @@ class Context(Owned):
         self._layer_inputs: set[int] = set()
         self._causal = True
 
+    def close(self) -> None:
+        """Free the context (its children first). Waits for a native call running in another thread."""
+        lock = getattr(self, "_lock", None)  # absent when __init__ failed before creating it
+        with lock if lock is not None else contextlib.nullcontext():
+            super().close()
+
     def _free(self, ptr) -> None:
-        lib.llama_free(ptr)
+        # A model (or a ctx_other) closes its contexts before itself, but a garbage-collection cycle clears the
+        # weak references that order relies on: if what this context reads is already freed, freeing the context
+        # would read freed memory in its destructor. Leak it instead (this happens only to unreachable cycles).
+        if not (self.model.closed or (self.ctx_other is not None and self.ctx_other.closed)):
+            lib.llama_free(ptr)
         for pool in dict.fromkeys(self._threadpools):  # the context is gone: its pools can go
             lib.ggml_threadpool_free(pool)
+
+    # --- ownership by a generation ----------------------------------------------------------
+    @contextlib.contextmanager
+    def generation(self, what: str = "generation"):
+        """Own the context for one generation (plain or speculative); released on exit.
+
+        Raises:
+            ContextBusyError: another generation owns it (in this or another thread).
+            ClosedHandleError: the context is closed.
+        """
+        self.ptr
+        with self._claim_lock:
+            if self._owner is not None:
+                raise ContextBusyError(
+                    f"Context is busy: a {self._owner} is still running on it. Use one Context per thread "
+                    f"(contexts of one Model can run in parallel), or finish or close the other generation "
+                    f"first.", op=what)
+            self._owner = f"{what} (started in thread {threading.current_thread().name!r})"
+        try:
+            yield self
+        finally:
+            with self._claim_lock:
+                self._owner = None
+
+    @property
+    def busy(self) -> bool:
+        """True while a generation owns the context."""
+        return self._owner is not None
 
     # --- sizes -------------------------------------------------------------------------
     @property
@@ -127,6 +195,7 @@ class Context(Owned):
     def n_rs_seq(self) -> int:
         return lib.llama_n_rs_seq(self.ptr)
 
+    @_serialised
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
 
@@ -135,6 +204,7 @@ class Context(Owned):
         """A batch of float rows for this context (default width: the model's n_embd)."""
         return EmbdBatch(self, self.model.n_embd if width is None else width)
 
+    @_serialised
     def decode(self, batch: Batch | EmbdBatch) -> None:
         """Run the model on a batch; afterwards ``logits(i)`` reads the rows flagged for output.
 
@@ -175,6 +245,7 @@ class Context(Owned):
                 raise InvalidBatchError("negative position", op="decode")
 
     # --- outputs -----------------------------------------------------------------------
+    @_serialised
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits [n_vocab] of batch index i of the last decode.
 
@@ -187,6 +258,7 @@ class Context(Owned):
             raise IndexError(f"no logits for batch index {i}")
         return np.frombuffer(ffi.buffer(ptr, 4 * self._n_vocab), dtype=np.float32)
 
+    @_serialised
     def all_logits(self) -> np.ndarray:
         """Logits [n_outputs, n_vocab] of every output row of the last decode, in batch order (a view)."""
         n_out = len(self._outputs)
@@ -214,6 +286,7 @@ class Context(Owned):
         return i
 
     # --- hidden-state capture (see capture.py) ---------------------------------------------
+    @_serialised
     def set_capture_layers(self, layer_ids, *, masked: bool = False) -> None:
         """Capture the outputs of these layers (HF ``hidden_states[id + 1]``) on every following decode.
 
@@ -225,6 +298,9 @@ class Context(Owned):
             CaptureError: (a ValueError) out-of-range or duplicate ids, too many layers, an architecture
                 without taps; ``code`` is the native llama_dspark_capture_status.
         """
+        if self.model.vocab_only and len(layer_ids):
+            raise CaptureError("a vocab-only model's context has no memory: its decode runs encode, which captures "
+                               "nothing", op="set_capture_layers", code=_capture.ERR_CONTEXT_TYPE)
         ids = _capture.check_layer_ids(layer_ids, n_layer=self.model.n_layer, arch=self.model.arch)
         arr = ffi.new("int32_t[]", ids or [0])
         _log.clear()
@@ -241,6 +317,7 @@ class Context(Owned):
     def capture_width(self) -> int:
         return len(self._capture_ids) * self.model.n_embd
 
+    @_serialised
     def capture(self) -> np.ndarray:
         """Captured rows of the last decode, [n_rows, n_capture * n_embd] (a view; see module doc).
 
@@ -252,6 +329,7 @@ class Context(Owned):
         ptr = lib.llama_get_embeddings_capture(self.ptr)
         return np.frombuffer(ffi.buffer(ptr, 4 * n_rows * self.capture_width), dtype=np.float32).reshape(n_rows, -1)
 
+    @_serialised
     def capture_row(self, i: int) -> np.ndarray:
         """The captured row of batch index i of the last decode (negative i counts from the end).
 
@@ -276,18 +354,28 @@ class Context(Owned):
             raise CaptureError("the last decode captured no rows", op="capture")
         return n_rows
 
+    @_serialised
     def set_narrowing(self, enabled: bool) -> None:
         """Run the last layer's tail on output rows only (default). False restores upstream's dense
         qwen35 path; for benchmarks."""
-        lib.llama_dspark_set_narrowing(self.ptr, bool(enabled))
+        _check_status(lib.llama_dspark_set_narrowing(self.ptr, bool(enabled)), "llama_dspark_set_narrowing")
 
+    @_serialised
     def set_layer_input(self, layer: int, enabled: bool = True) -> None:
         """Upstream's per-layer extraction of the *input* of layer ``layer`` (0..n_layer), dense."""
         if not 0 <= layer <= self.model.n_layer:
             raise ValueError(f"layer {layer} outside [0, {self.model.n_layer}]")
-        lib.llama_dspark_set_embeddings_layer_inp(self.ptr, layer, bool(enabled))
+        if enabled and self.model.arch not in _LAYER_INPUT_ARCHS:
+            raise CaptureError(f"architecture {self.model.arch!r} does not expose layer inputs (supported: "
+                               f"{', '.join(_LAYER_INPUT_ARCHS)})", op="set_layer_input", code=-2)
+        _log.clear()
+        rc = lib.llama_dspark_set_embeddings_layer_inp(self.ptr, layer, bool(enabled))
+        if rc != 0:
+            raise CaptureError(f"llama.cpp refused extraction of layer input {layer}", op="set_layer_input",
+                               code=rc, log_tail=_log.tail())
         (self._layer_inputs.add if enabled else self._layer_inputs.discard)(layer)
 
+    @_serialised
     def layer_input(self, layer: int) -> np.ndarray:
         """Rows [n_tokens of the last decode, n_embd] of the input of ``layer`` (a view)."""
         if layer not in self._layer_inputs:
@@ -299,24 +387,30 @@ class Context(Owned):
         return np.frombuffer(ffi.buffer(ptr, 4 * self._n_last * n_embd), dtype=np.float32).reshape(-1, n_embd)
 
     # --- draft-model switches ---------------------------------------------------------------
+    @_serialised
     def set_causal_attn(self, causal: bool) -> None:
         """Causal (default) or non-causal attention inside a batch (a DFlash/DSpark block is non-causal)."""
         lib.llama_set_causal_attn(self.ptr, bool(causal))
         self._causal = bool(causal)
 
+    @_serialised
     def set_nextn(self, enabled: bool, *, masked: bool = True) -> None:
         """Extraction of the "nextn" rows (a DSpark draft's per-slot confidence)."""
-        lib.llama_dspark_set_embeddings_nextn(self.ptr, bool(enabled), bool(masked))
+        _check_status(lib.llama_dspark_set_embeddings_nextn(self.ptr, bool(enabled), bool(masked)),
+                      "llama_dspark_set_embeddings_nextn")
 
+    @_serialised
     def nextn_row(self, i: int) -> np.ndarray:
         """The nextn row [n_embd] of batch index i of the last decode (a view)."""
         row = self._resolve_output(i)
         ptr = lib.llama_dspark_get_embeddings_nextn_ith(self.ptr, int(row))
         if ptr == ffi.NULL:
-            raise IndexError(f"no nextn row for batch index {i} (is extraction on?)")
+            raise IndexError(f"no nextn row for batch index {i} (is extraction on, and does the architecture "
+                             f"produce nextn rows?)")
         return np.frombuffer(ffi.buffer(ptr, 4 * self.model.n_embd), dtype=np.float32)
 
     # --- memory ------------------------------------------------------------------------
+    @_serialised
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
         """Remove positions [p0, p1) of a sequence (p0 < 0: from 0; p1 < 0: to the end).
 
@@ -330,21 +424,25 @@ class Context(Owned):
             raise MemoryOpError(f"memory cannot remove positions [{p0}, {p1}) of sequence {seq_id}",
                                 op="llama_memory_seq_rm", log_tail=_log.tail())
 
+    @_serialised
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Copy positions [p0, p1) of sequence src to dst."""
         for s in (src, dst):
             self._check_seq(s)
         lib.llama_memory_seq_cp(self._memory(), src, dst, p0, p1)
 
+    @_serialised
     def seq_pos_max(self, seq_id: int = 0) -> int:
         """Largest position held for the sequence, -1 when empty."""
         self._check_seq(seq_id)
         return lib.llama_memory_seq_pos_max(self._memory(), seq_id)
 
+    @_serialised
     def seq_pos_min(self, seq_id: int = 0) -> int:
         self._check_seq(seq_id)
         return lib.llama_memory_seq_pos_min(self._memory(), seq_id)
 
+    @_serialised
     def clear(self, data: bool = True) -> None:
         """Empty the memory (all sequences)."""
         lib.llama_memory_clear(self._memory(), data)
@@ -356,6 +454,12 @@ class Context(Owned):
     def _check_seq(self, seq_id: int) -> None:
         if not 0 <= seq_id < self.n_seq_max:
             raise ValueError(f"sequence id {seq_id} outside [0, {self.n_seq_max})")
+
+
+def _check_status(rc: int, op: str) -> None:
+    """Our C setters return 0, or -1 for bad arguments (which the wrappers never pass)."""
+    if rc != 0:
+        raise LlamaError(f"{op} returned {rc}", op=op, code=rc, log_tail=_log.tail())
 
 
 def _threadpools(n_threads: int, n_threads_batch: int) -> tuple:

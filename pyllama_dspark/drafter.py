@@ -26,7 +26,7 @@ import numpy as np
 
 from .batch import Batch
 from .context import Context
-from .errors import LlamaError
+from .errors import ClosedHandleError, LlamaError
 from .model import Model
 
 
@@ -143,7 +143,8 @@ class DSparkDrafter:
     Args:
         path: drafter GGUF (architecture ``dflash`` with the DSpark Markov head).
         target: the target's Context; its model lends token_embd/output when the drafter omits them.
-        n_ctx: drafter KV size (default: the target's n_ctx).
+        n_ctx: drafter KV size (default: the target's n_ctx + block size - 1, the least that lets it draft a
+            whole block at the target's last position; smaller values are refused).
         n_batch: rows per injection decode (default: the target's n_batch); also its n_ubatch,
             because a non-causal graph must see a whole batch in one ubatch.
         n_threads: CPU threads (default: all cores).
@@ -151,19 +152,32 @@ class DSparkDrafter:
         p_min: cut the draft at the first slot whose confidence is below p_min (0 = off).
 
     Raises:
-        DrafterError: see ``inspect_drafter``; ValueError: p_min with no confidence head.
+        DrafterError: see ``inspect_drafter``; ValueError: p_min with no confidence head, or n_ctx too small.
+        ClosedHandleError: the target context is closed.
+
+    The drafter's context reads the target's (``ctx_other``), so it is closed with the target's Context (or
+    Model); afterwards ``propose``/``observe``/``reset`` raise ClosedHandleError.
     """
 
     def __init__(self, path, target: Context, *, n_ctx: int | None = None, n_batch: int | None = None,
                  n_threads: int | None = None, n_gpu_layers: int = 0, p_min: float = 0.0):
+        target.ptr  # a closed target raises ClosedHandleError before anything is loaded
         self.model = Model(path, n_gpu_layers=n_gpu_layers)
         try:
             self.info = inspect_drafter(self.model, target.model)
             if p_min > 0.0 and not self.info.has_confidence:
                 raise DrafterError("p_min > 0 needs a confidence head; this drafter has none", op="DSparkDrafter")
+            # A block is drafted at positions pos..pos+B-1 after pos committed cells; pos reaches n_ctx - 1.
+            n_ctx_min = target.n_ctx + self.info.block_size - 1
+            if n_ctx is not None and n_ctx < n_ctx_min:
+                raise ValueError(f"drafter n_ctx={n_ctx} is too small: drafting a block of {self.info.block_size} "
+                                 f"at the target's last position needs n_ctx >= {n_ctx_min} (the target's "
+                                 f"{target.n_ctx} + block size - 1)")
             n_batch = max(n_batch or target.n_batch, self.info.block_size)
-            self.ctx = Context(self.model, n_ctx=n_ctx or target.n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+            self.ctx = Context(self.model, n_ctx=n_ctx or n_ctx_min, n_batch=n_batch, n_ubatch=n_batch,
                                n_threads=n_threads, ctx_other=target)
+            # the native drafter context holds a pointer to the target's: it must be freed first
+            target._adopt(self.ctx)
         except BaseException:
             self.model.close()
             raise
@@ -203,10 +217,19 @@ class DSparkDrafter:
         self.close()
 
     def reset(self) -> None:
+        self._check_open()
         self.ctx.clear()
+
+    def _check_open(self) -> None:
+        if self.target.closed:
+            raise ClosedHandleError("the drafter's target Context is closed (the drafter reads the target's "
+                                    "context and closes with it); create a new DSparkDrafter for a new target")
+        if self.ctx.closed:
+            raise ClosedHandleError("DSparkDrafter is closed")
 
     def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int) -> None:
         """Inject the capture rows of committed positions pos0.. into the drafter's KV cache."""
+        self._check_open()
         if rows is None or len(rows) == 0:
             return
         rows = np.asarray(rows, dtype=np.float32)
@@ -228,6 +251,7 @@ class DSparkDrafter:
         so ``Draft.probs`` is the q each token came from. The confidence cut (p_min) reads the
         graph's confidence, which follows the greedy chain.
         """
+        self._check_open()
         block = self.info.block_size
         n_max = block if n_max is None else min(int(n_max), block)
         self._block.clear()

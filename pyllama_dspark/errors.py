@@ -14,6 +14,7 @@ seen before the failing call (see ``_log``).
         FatalDecodeError                 rc < -1
       MemoryOpError                      a memory operation the cache cannot honour (seq_rm)
       CaptureError(ValueError)           hidden-state capture misuse (code: llama_dspark_capture_status)
+      ContextBusyError                   a generation started on a Context another generation is using
     ClosedHandleError(ValueError)        use of a closed Model / Context / Batch
     LibraryMismatchError(ImportError)    the loaded libllama is not the one this package was built with
 """
@@ -76,6 +77,14 @@ class MemoryOpError(LlamaError):
 class CaptureError(LlamaError, ValueError):
     """Hidden-state capture was misconfigured (``code`` is the llama_dspark_capture_status) or read
     without data."""
+
+
+class ContextBusyError(LlamaError):
+    """A generation (plain or speculative) was started on a Context that another generation still owns.
+
+    A generation owns its context from its first decode until it finishes or its iterator is closed. Use one
+    Context per thread (contexts of one Model may run in parallel), or finish the other generation first.
+    """
 
 
 class ClosedHandleError(ValueError):

@@ -97,6 +97,13 @@ def generate_tokens(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sample
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     timing = timing if timing is not None else _Timing()
+    with ctx.generation("plain generation"):  # ContextBusyError if another generation runs on ctx
+        yield from _generate_owned(ctx, tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog,
+                                   timing=timing)
+
+
+def _generate_owned(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler, stop_at_eog: bool,
+                    timing: _Timing) -> Iterator[int]:
     ctx.clear()
     batch = Batch(min(ctx.n_batch, max(len(tokens), 1)))
     try:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -14,6 +16,17 @@ from ._owned import Owned
 from .errors import InvalidBatchError, LlamaError, ModelLoadError
 
 _GGUF_MAGIC = b"GGUF"
+
+# Models still open. At interpreter exit they are closed (their contexts first) while every object is still
+# alive: left to the final garbage collection, a model could be freed before its contexts, whose native
+# destructor then reads the freed model (AddressSanitizer saw exactly that).
+_OPEN_MODELS: "weakref.WeakSet[Model]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_models() -> None:
+    for model in list(_OPEN_MODELS):
+        model.close()
 
 
 class Model(Owned):
@@ -39,6 +52,7 @@ class Model(Owned):
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False,
                  use_extra_bufts: bool = False):
         self.path = Path(path)
+        self.vocab_only = bool(vocab_only)
         _check_gguf_file(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
@@ -50,6 +64,7 @@ class Model(Owned):
             raise ModelLoadError(f"could not load model {str(self.path)!r}", op="llama_model_load_from_file",
                                  log_tail=_log.tail())
         self._set_ptr(ptr)
+        _OPEN_MODELS.add(self)
         self._vocab = lib.llama_model_get_vocab(ptr)
         self._gguf_reader = None
 
@@ -216,14 +231,18 @@ class Model(Owned):
         tmpl = template if template is not None else self.chat_template
         if tmpl is None:
             raise ValueError(f"model {self.path.name} has no chat template; pass template=")
-        keep = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        tmpl_bytes = ffi.new("char[]", tmpl.encode())
+        texts = [(m["role"].encode(), m["content"].encode()) for m in messages]
+        # The native strings must outlive the call: ``keep`` owns every char[] the messages point into
+        # (a pointer into a temporary bytes object would dangle as soon as the temporary is freed).
+        keep = [(ffi.new("char[]", role), ffi.new("char[]", content)) for role, content in texts]
         chat = ffi.new("llama_chat_message[]", len(keep))
         for slot, (role, content) in zip(chat, keep):
-            slot.role, slot.content = ffi.from_buffer(role + b"\0"), ffi.from_buffer(content + b"\0")
-        size = 2 * sum(len(r) + len(c) for r, c in keep) + 256
+            slot.role, slot.content = role, content
+        size = 2 * sum(len(r) + len(c) for r, c in texts) + 256
         for _ in range(2):
             buf = ffi.new("char[]", size)
-            n = lib.llama_chat_apply_template(tmpl.encode(), chat, len(keep), add_assistant, buf, size)
+            n = lib.llama_chat_apply_template(tmpl_bytes, chat, len(keep), add_assistant, buf, size)
             if n < 0:
                 raise ValueError("llama.cpp does not support this chat template")
             if n <= size:

@@ -114,6 +114,12 @@ class Speculator:
         ctx, n_ctx = self.target, self.target.n_ctx
         if max_tokens == 0:
             return
+        with ctx.generation("speculative generation"):  # ContextBusyError if another generation runs on ctx
+            yield from self._run_owned(tokens, max_tokens, sampler, stop_at_eog, stats)
+
+    def _run_owned(self, tokens: np.ndarray, max_tokens: int, sampler: Sampler, stop_at_eog: bool,
+                   stats: SpecStats) -> Iterator[Step]:
+        ctx, n_ctx = self.target, self.target.n_ctx
         t0 = time.perf_counter()
         anchor = self._prefill(tokens, sampler)
         stats.t_prefill = time.perf_counter() - t0

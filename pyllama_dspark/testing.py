@@ -106,7 +106,9 @@ class TinySpec:
     matrices; norms, biases and the qwen35 conv kernel are always f32, and
     with ``vocab="llama-spm"`` the (large) token embedding and LM head are
     always f16 so files stay a few MB. See the module docstring for the
-    ``qwen35`` layer layout.
+    ``qwen35`` layer layout. ``chat_template`` (with a vocabulary only) is
+    stored as ``tokenizer.chat_template``: a llama.cpp template name such as
+    "chatml", or a Jinja text llama.cpp recognises.
     """
 
     arch: str
@@ -121,6 +123,7 @@ class TinySpec:
     dtype: str = "f32"
     seed: int = 0
     tie_embeddings: bool = False
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         _validate_spec(self)
@@ -132,6 +135,8 @@ def _validate_spec(spec: TinySpec) -> None:
         raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
     if spec.vocab not in VOCABS:
         raise ValueError(f"vocab must be one of {VOCABS}, got {spec.vocab!r}")
+    if spec.chat_template is not None and spec.vocab == "none":
+        raise ValueError("chat_template needs a vocabulary (vocab='llama-spm')")
     if spec.dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {spec.dtype!r}")
     for field in ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "n_vocab", "n_ctx_train"):
@@ -283,7 +288,10 @@ def _spm_vocab_fields() -> dict[str, tuple[Any, VT, VT | None]]:
 def _vocab_kvs(spec: TinySpec) -> list[_KV]:
     if spec.vocab == "none":
         return [("tokenizer.ggml.model", "no_vocab", VT.STRING, None)]
-    return [(k, v, t, s) for k, (v, t, s) in _spm_vocab_fields().items()]
+    kvs = [(k, v, t, s) for k, (v, t, s) in _spm_vocab_fields().items() if k != "tokenizer.chat_template"]
+    if spec.chat_template is not None:
+        kvs.append(("tokenizer.chat_template", spec.chat_template, VT.STRING, None))
+    return kvs
 
 
 def _all_kvs(spec: TinySpec, dims: _Dims, file_type: int) -> list[_KV]:

@@ -6,11 +6,6 @@ Each case that could reach native code runs in a subprocess too, so an abort
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import tempfile
-import textwrap
-
 import numpy as np
 import pytest
 
@@ -24,16 +19,7 @@ from pyllama_dspark import (
     Model,
     ModelLoadError,
 )
-
-
-def run_isolated(code: str) -> subprocess.CompletedProcess:
-    """Run code in a fresh interpreter; it must exit normally (status 0), never by a signal."""
-    # cwd outside the source tree: `python -c` puts cwd first on sys.path, and the uncompiled
-    # source package there would shadow the installed one
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          cwd=tempfile.gettempdir())
-    assert proc.returncode == 0, f"status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-3000:]}"
-    return proc
+from isolated import run_isolated
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The AddressSanitizer job: build libllama, libggml* and the extension with -fsanitize=address into their
+# own virtual environment (build directory build/asan, kept for incremental rebuilds), then run pytest
+# under the sanitizer and fail on any report, including reports from the tests' subprocesses.
+#
+#   scripts/asan_pytest.sh [pytest args...]      e.g. scripts/asan_pytest.sh -m "not slow" tests/test_capture.py
+#
+# Python itself is not instrumented: the runtime is preloaded (LD_PRELOAD) and PYTHONMALLOC=malloc sends
+# Python's own allocations through malloc, so ASan also sees a native read of a freed Python object.
+# Leak detection is off: the interpreter and numpy keep allocations alive at exit by design.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${PYLLAMA_DSPARK_ASAN_VENV:-.venv-asan}"
+if [[ "${PYLLAMA_DSPARK_ASAN_REUSE:-0}" != 1 || ! -x "$venv/bin/python" ]]; then
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install -q -C build-dir=build/asan -C cmake.define.PYLLAMA_DSPARK_SANITIZE=address '.[test]'
+fi
+libasan="$(gcc -print-file-name=libasan.so)"
+[[ -e "$libasan" ]] || { echo "asan_pytest: libasan.so not found (gcc -print-file-name=libasan.so)" >&2; exit 2; }
+# libstdc++ preloaded too: ASan resolves the real __cxa_throw when it starts, and python itself does not
+# link libstdc++ (without it the first C++ exception in libllama fails an ASan CHECK)
+libstdcxx="$(gcc -print-file-name=libstdc++.so)"
+reports="$(mktemp -d)"
+status=0
+env LD_PRELOAD="$libasan $libstdcxx" PYTHONMALLOC=malloc \
+    ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:log_path=$reports/asan" \
+    "$venv/bin/pytest" -p no:cacheprovider "$@" || status=$?  # not `python -m pytest`: the source tree would shadow the build
+if compgen -G "$reports/asan*" > /dev/null; then
+    echo "asan_pytest: AddressSanitizer reports:" >&2
+    cat "$reports"/asan* >&2
+    exit 1
+fi
+if [[ $status -ne 0 ]]; then
+    echo "asan_pytest: pytest failed with status $status (no sanitizer report)" >&2
+fi
+exit $status
