@@ -118,7 +118,9 @@ def run_bench(model: Model, drafter_path: str | Path, prompts: list[dict], *, n_
     try:
         spec = Speculator(ctx, drafter, n_draft=n_draft)
         for index, item in enumerate(prompts):
-            text = item["prompt"] if "prompt" in item else model.apply_chat_template(item["messages"])
+            # token ids (the training evaluation), a text, or chat messages
+            text = (item["tokens"] if "tokens" in item else item["prompt"] if "prompt" in item
+                    else model.apply_chat_template(item["messages"]))
             plain = generate(ctx, text, max_tokens=n_predict, temperature=temperature, seed=seed)
             tokens = prompt_tokens(ctx, text)
             stats = SpecStats()

@@ -1,4 +1,4 @@
-"""pyllama-dspark command line: generate, bench, info, convert, demo.
+"""pyllama-dspark command line: generate, bench, info, convert, train, demo.
 
 Every failure caused by the user's input (missing file, bad GGUF, prompt too
 long, bad option) exits with status 1 and one line on stderr, never a
@@ -65,7 +65,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--n-draft", type=int, default=None)
     demo.add_argument("--p-min", type=float, default=0.0)
     _add_convert_parser(sub)
+    _add_train_parser(sub)
     return parser
+
+
+def _add_train_parser(sub) -> None:
+    t = sub.add_parser("train", help="train a DSpark drafter for a target GGUF (needs PyTorch: the [train] extra)",
+                       description="Train a DSpark drafter from the target GGUF alone: the target continues the "
+                                   "prompts, its hidden states are captured, a drafter learns them, and our "
+                                   "converter writes the GGUF. Re-running the same command resumes.")
+    t.add_argument("--target", "-m", required=True, help="target model GGUF")
+    t.add_argument("--prompts", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} lines')
+    t.add_argument("--outfile", "-o", required=True, help="drafter GGUF to write")
+    t.add_argument("--work-dir", default=None, help="resumable work directory (default: OUTFILE's name + .work)")
+    t.add_argument("--eval-prompts", default=None, help="held-out JSONL prompts: plain vs speculative at the end")
+    t.add_argument("--block-size", type=int, default=7)
+    t.add_argument("--layers", type=int, default=1, help="drafter layers (default 1)")
+    t.add_argument("--taps", default="auto", help="target layer outputs to read: auto or e.g. 1,8,15 "
+                   "(never the last layer)")
+    t.add_argument("--markov-rank", type=int, default=64, help="rank of the Markov head (0 = none)")
+    t.add_argument("--mask-token", type=int, default=None, help="mask token id (default: the last vocabulary id)")
+    t.add_argument("--n-predict", type=int, default=256, help="tokens the target generates per prompt")
+    t.add_argument("--temperature", type=float, default=0.0, help="0 = greedy continuations (default)")
+    budget = t.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--steps", type=int, help="optimizer steps")
+    budget.add_argument("--minutes", type=float, help="training time budget (resolved to steps once)")
+    t.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--n-threads", type=int, default=None)
+    t.add_argument("--outtype", default="f16", choices=("f32", "f16", "bf16", "q8_0"))
+    t.add_argument("--anchors", type=int, default=16, help="anchors per sequence per step")
+    t.add_argument("--seqs-per-step", type=int, default=4)
+    t.add_argument("--parallel", type=int, default=8, help="sequences generated side by side")
+    t.add_argument("--checkpoint-steps", type=int, default=0, help="checkpoint every N steps (default: every 60 s)")
+    t.add_argument("--shard-size", type=int, default=16, help="prompts per data shard")
+    t.add_argument("--eval-n-predict", type=int, default=None, help="tokens per held-out prompt (default --n-predict)")
+    t.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
 
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -224,6 +259,28 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from .train.pipeline import TrainOptions, run
+
+    options = TrainOptions(
+        target=Path(args.target), prompts=Path(args.prompts), outfile=Path(args.outfile),
+        work_dir=Path(args.work_dir) if args.work_dir else None,
+        eval_prompts=Path(args.eval_prompts) if args.eval_prompts else None, block_size=args.block_size,
+        layers=args.layers, taps=args.taps, markov_rank=args.markov_rank, mask_token=args.mask_token,
+        n_predict=args.n_predict, temperature=args.temperature, steps=args.steps, minutes=args.minutes, lr=args.lr,
+        seed=args.seed, n_threads=args.n_threads, outtype=args.outtype, anchors=args.anchors,
+        seqs_per_step=args.seqs_per_step, parallel=args.parallel, checkpoint_steps=args.checkpoint_steps,
+        shard_size=args.shard_size,
+        eval_n_predict=args.eval_n_predict)
+    print(f"train: target {options.target.name}, work directory {options.work_dir or '(next to --outfile)'}",
+          file=sys.stderr)
+    report = run(options)
+    print(report.summary())
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.as_dict(), indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.ERROR, format="%(name)s: %(message)s")
@@ -238,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_info(args)
         if args.command == "convert":
             return _cmd_convert(args)
+        if args.command == "train":
+            return _cmd_train(args)
         return _cmd_demo(args)
     except (LlamaError, ValueError, OSError, ImportError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -150,6 +150,8 @@ class DSparkDrafter:
         n_threads: CPU threads (default: all cores).
         n_gpu_layers: drafter layers to offload.
         p_min: cut the draft at the first slot whose confidence is below p_min (0 = off).
+        kv_type, flash_attn: the drafter context's KV cache type and flash attention (see Context); "f32" and
+            False bring its logits within ~1e-6 of a float reference.
 
     Raises:
         DrafterError: see ``inspect_drafter``; ValueError: p_min with no confidence head, or n_ctx too small.
@@ -160,7 +162,8 @@ class DSparkDrafter:
     """
 
     def __init__(self, path, target: Context, *, n_ctx: int | None = None, n_batch: int | None = None,
-                 n_threads: int | None = None, n_gpu_layers: int = 0, p_min: float = 0.0):
+                 n_threads: int | None = None, n_gpu_layers: int = 0, p_min: float = 0.0, kv_type: str = "f16",
+                 flash_attn: bool | None = None):
         target.ptr  # a closed target raises ClosedHandleError before anything is loaded
         self.model = Model(path, n_gpu_layers=n_gpu_layers)
         try:
@@ -175,7 +178,8 @@ class DSparkDrafter:
                                  f"{target.n_ctx} + block size - 1)")
             n_batch = max(n_batch or target.n_batch, self.info.block_size)
             self.ctx = Context(self.model, n_ctx=n_ctx or n_ctx_min, n_batch=n_batch, n_ubatch=n_batch,
-                               n_threads=n_threads, ctx_other=target)
+                               n_threads=n_threads, ctx_other=target, kv_type=kv_type,
+                               flash_attn=flash_attn)
             # the native drafter context holds a pointer to the target's: it must be freed first
             target._adopt(self.ctx)
         except BaseException:

@@ -108,7 +108,10 @@ class TinySpec:
     always f16 so files stay a few MB. See the module docstring for the
     ``qwen35`` layer layout. ``chat_template`` (with a vocabulary only) is
     stored as ``tokenizer.chat_template``: a llama.cpp template name such as
-    "chatml", or a Jinja text llama.cpp recognises.
+    "chatml", or a Jinja text llama.cpp recognises. ``logit_std`` sets the
+    spread of the output logits: the default 2 gives flat next-token
+    distributions (top-1 probability of a few percent over 32000 tokens);
+    larger values give the peaked ones of a trained model.
     """
 
     arch: str
@@ -124,6 +127,7 @@ class TinySpec:
     seed: int = 0
     tie_embeddings: bool = False
     chat_template: str | None = None
+    logit_std: float = 2.0
 
     def __post_init__(self) -> None:
         _validate_spec(self)
@@ -135,6 +139,8 @@ def _validate_spec(spec: TinySpec) -> None:
         raise ValueError(f"arch must be one of {ARCHS}, got {spec.arch!r}")
     if spec.vocab not in VOCABS:
         raise ValueError(f"vocab must be one of {VOCABS}, got {spec.vocab!r}")
+    if not spec.logit_std > 0:
+        raise ValueError(f"logit_std must be > 0, got {spec.logit_std!r}")
     if spec.chat_template is not None and spec.vocab == "none":
         raise ValueError("chat_template needs a vocabulary (vocab='llama-spm')")
     if spec.dtype not in DTYPES:
@@ -433,14 +439,14 @@ def _init_values(d: _TensorDef, spec: TinySpec) -> np.ndarray:
         # little of the token embedding: the residual stream is dominated by
         # the current token's embedding, so this lowers that token's own
         # logit and keeps greedy decoding from settling on one token.
-        head = z * np.float32(2.0 / math.sqrt(d.shape[-1]))
+        head = z * np.float32(spec.logit_std / math.sqrt(d.shape[-1]))
         embd = _init_values(_TensorDef("token_embd.weight", d.shape, "embd"), spec)
         return head - np.float32(_OUTPUT_ANTI_REPEAT) * embd
     if d.kind == "tied_head_norm":
         # With a tied head, logit_j = e_j . (h_hat * g) and h is dominated by
         # e_t, so a positive g makes every token predict itself. Weights of
         # random sign remove that bias; the scale gives logits of std about 2.
-        return z * np.float32(2.0 / (_TIED_EMBD_STD * math.sqrt(d.shape[-1])))
+        return z * np.float32(spec.logit_std / (_TIED_EMBD_STD * math.sqrt(d.shape[-1])))
     if d.kind == "conv":
         return z * np.float32(1.0 / math.sqrt(d.shape[-1]))
     if d.kind == "ssm_a":

@@ -1,0 +1,254 @@
+"""The data phase: the target continues the prompts itself, and its hidden states are kept.
+
+For every prompt the target generates up to ``n_predict`` tokens (greedy, or sampled with a seed per
+prompt) while the context captures, densely, the tap layers and the target's last layer for every
+position. A shard stores, per sequence, the token ids (prompt + continuation), the prompt length and
+f16 rows for positions 0..L-2 (the last token's row is never needed: it would predict a token that
+does not exist). The last layer is stored instead of logits: the trainer recomputes the teacher's
+distribution through the frozen final norm and output head, so a token costs
+``(n_taps + 1) * n_embd * 2`` bytes rather than ``n_vocab * 4``.
+
+Several prompts are generated at once, one sequence each, so a decode carries one token of every
+active sequence (``parallel``; a target context's KV is split between its sequences).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..batch import Batch
+from ..bench import load_prompts
+from ..context import Context
+from ..model import Model
+from ..sampling import Sampler, SamplingParams
+from .settings import TrainError, TrainSettings, WorkDir, write_json_atomically
+
+MANIFEST = "manifest.json"
+
+
+@dataclass
+class Record:
+    tokens: np.ndarray      # [L] int32
+    prompt_len: int
+    taps: np.ndarray        # [L-1, n_taps * n_embd] f16
+    last: np.ndarray        # [L-1, n_embd] f16
+
+
+@dataclass
+class DataStats:
+    sequences: int = 0
+    tokens: int = 0               # prompt + generated tokens stored
+    generated: int = 0
+    seconds: float = 0.0          # time spent generating in this run
+    shards_done: int = 0
+    shards_total: int = 0
+    bytes: int = 0
+    generated_this_run: int = 0
+
+    @property
+    def tok_s(self) -> float:
+        return self.generated_this_run / self.seconds if self.seconds else 0.0
+
+
+def read_prompts(path: Path, model: Model) -> list[list[int]]:
+    """Token ids of every prompt of a JSONL file, chat prompts through the target's template.
+
+    Raises:
+        TrainError: missing, empty or malformed file (with the line number), chat prompts without a template,
+            or a prompt that tokenizes to nothing.
+    """
+    if not path.is_file():
+        raise TrainError(f"--prompts {path}: no such file")
+    try:
+        items = load_prompts(path)
+    except ValueError as exc:
+        raise TrainError(f"--prompts {exc}") from None
+    if any("messages" in item for item in items) and model.chat_template is None:
+        raise TrainError(f"--prompts {path}: chat prompts ({{\"messages\"}}), but {model.path.name} has no chat "
+                         f"template")
+    out = []
+    for number, item in enumerate(items, 1):
+        if "messages" in item:
+            bad = [m for m in item["messages"] if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                        and isinstance(m.get("content"), str))]
+            if bad:
+                raise TrainError(f"--prompts {path}: prompt {number}: every message needs string 'role' and "
+                                 f"'content'")
+            text = model.apply_chat_template(item["messages"])
+        else:
+            text = item["prompt"]
+        ids = model.tokenize(text, parse_special=True) if model.has_vocab else np.zeros(0, np.int32)
+        if len(ids) == 0:
+            raise TrainError(f"--prompts {path}: prompt {number} is empty after tokenization")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def shard_path(work: WorkDir, index: int) -> Path:
+    return work.data / f"shard-{index:05d}.npz"
+
+
+def _manifest(work: WorkDir) -> dict:
+    path = work.data / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else {"shards": {}}
+
+
+def generate_data(model: Model, prompts: list[list[int]], settings: TrainSettings, work: WorkDir, *,
+                  n_threads: int | None = None, parallel: int = 8,
+                  progress: Callable[[int], None] | None = None,
+                  on_shard: Callable[[], None] | None = None) -> DataStats:
+    """Generate every missing shard (resumable: finished shards are kept, an interrupted one is redone).
+
+    ``progress(n)`` is called with the number of tokens generated since the last call, ``on_shard()`` after
+    each shard this run writes.
+    """
+    work.data.mkdir(parents=True, exist_ok=True)
+    manifest = _manifest(work)
+    capture = list(settings.taps) + [model.n_layer - 1]
+    n_shards = (len(prompts) + settings.shard_size - 1) // settings.shard_size
+    stats = DataStats(shards_total=n_shards)
+    longest = max(len(p) for p in prompts) + settings.n_predict + 1
+    parallel = max(1, min(parallel, settings.shard_size))
+    ctx = None
+    try:
+        for index in range(n_shards):
+            name = shard_path(work, index).name
+            if name in manifest["shards"] and shard_path(work, index).exists():
+                _count(stats, manifest["shards"][name])
+                continue
+            if ctx is None:
+                # one sequence per parallel prompt; llama.cpp splits n_ctx between the sequences' streams
+                ctx = Context(model, n_ctx=parallel * longest, n_batch=max(512, parallel), n_seq_max=parallel,
+                              n_threads=n_threads)
+                ctx.set_capture_layers(capture, masked=False)
+            chunk = range(index * settings.shard_size, min(len(prompts), (index + 1) * settings.shard_size))
+            t0 = time.perf_counter()
+            seqs: list[Record] = []
+            for start in range(chunk.start, chunk.stop, parallel):
+                group = list(range(start, min(chunk.stop, start + parallel)))
+                seqs += _generate_group(ctx, [prompts[i] for i in group], group, settings, len(settings.taps),
+                                        progress, stats)
+            stats.seconds += time.perf_counter() - t0
+            info = _write_shard(shard_path(work, index), seqs, chunk)
+            manifest["shards"][name] = info
+            write_json_atomically(work.data / MANIFEST, manifest)
+            _count(stats, info)
+            if on_shard is not None:
+                on_shard()
+    finally:
+        if ctx is not None:
+            ctx.close()
+    return stats
+
+
+def _count(stats: DataStats, info: dict) -> None:
+    stats.shards_done += 1
+    stats.sequences += info["sequences"]
+    stats.tokens += info["tokens"]
+    stats.generated += info["generated"]
+    stats.bytes += info["bytes"]
+
+
+def _generate_group(ctx: Context, prompts: list[list[int]], indices: list[int], settings: TrainSettings, n_taps: int,
+                    progress, stats: DataStats) -> list[Record]:
+    """Continue ``prompts`` side by side, sequence i in the context's sequence i; capture every row."""
+    model = ctx.model
+    n_embd = model.n_embd
+    ctx.clear()
+    samplers = [Sampler(SamplingParams(temperature=settings.temperature, seed=settings.seed * 1_000_003 + i))
+                for i in indices]
+    rows: list[list[np.ndarray]] = [[] for _ in prompts]
+    tokens = [list(p) for p in prompts]
+    pending: list[int] = []
+    batch = Batch(max(ctx.n_batch, len(prompts)), n_seq_max=1)
+    try:
+        for seq, prompt in enumerate(prompts):
+            step = ctx.n_batch
+            for s in range(0, len(prompt), step):
+                batch.clear()
+                last = s + step >= len(prompt)
+                batch.add_tokens(prompt[s:s + step], s, seq_id=seq, logits="last" if last else "none")
+                ctx.decode(batch)
+                rows[seq].append(ctx.capture().astype(np.float16))
+            pending.append(samplers[seq](ctx.logits(-1)))
+        active = list(range(len(prompts)))
+        generated = [0] * len(prompts)
+        while active:
+            still = []
+            for seq in active:  # take the sampled token; stop or keep decoding
+                token = pending[seq]
+                tokens[seq].append(token)
+                generated[seq] += 1
+                if generated[seq] < settings.n_predict and not model.is_eog(token):
+                    still.append(seq)
+            if progress is not None:
+                progress(len(active))
+            stats.generated_this_run += len(active)
+            active = still
+            if not active:
+                break
+            batch.clear()
+            for seq in active:
+                batch.add(tokens[seq][-1], len(tokens[seq]) - 1, seq_id=seq, logits=True)
+            ctx.decode(batch)
+            captured = ctx.capture()
+            for j, seq in enumerate(active):
+                rows[seq].append(captured[j:j + 1].astype(np.float16))
+                pending[seq] = samplers[seq](ctx.logits(j))
+    finally:
+        batch.close()
+    out = []
+    for seq in range(len(prompts)):
+        r = np.concatenate(rows[seq])
+        # rows for positions 0..L-2: the last token was sampled but never decoded
+        assert r.shape[0] == len(tokens[seq]) - 1, (r.shape, len(tokens[seq]))
+        out.append(Record(tokens=np.asarray(tokens[seq], dtype=np.int32), prompt_len=len(prompts[seq]),
+                             taps=r[:, : n_taps * n_embd], last=r[:, n_taps * n_embd:]))
+    return out
+
+
+def _write_shard(path: Path, seqs: list[Record], chunk: range) -> dict:
+    offsets = np.cumsum([0] + [len(s.tokens) for s in seqs]).astype(np.int64)
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, tokens=np.concatenate([s.tokens for s in seqs]), offsets=offsets,
+             prompt_lens=np.asarray([s.prompt_len for s in seqs], dtype=np.int32),
+             prompt_index=np.asarray(list(chunk), dtype=np.int32),
+             taps=np.concatenate([s.taps for s in seqs]), last=np.concatenate([s.last for s in seqs]))
+    os.replace(tmp, path)
+    return {"sequences": len(seqs), "tokens": int(offsets[-1]),
+            "generated": int(sum(len(s.tokens) - s.prompt_len for s in seqs)), "bytes": path.stat().st_size}
+
+
+def load_sequences(work: WorkDir) -> list[Record]:
+    """Every sequence of every finished shard, in shard order."""
+    manifest = _manifest(work)
+    out = []
+    for name in sorted(manifest["shards"]):
+        with np.load(work.data / name) as z:
+            tokens, offsets, plens = z["tokens"], z["offsets"], z["prompt_lens"]
+            taps, last = z["taps"], z["last"]
+        row = 0
+        for i in range(len(plens)):
+            seq_tokens = tokens[offsets[i]:offsets[i + 1]]
+            n_rows = len(seq_tokens) - 1
+            out.append(Record(tokens=seq_tokens, prompt_len=int(plens[i]), taps=taps[row:row + n_rows],
+                                 last=last[row:row + n_rows]))
+            row += n_rows
+    return out
+
+
+def anchor_range(seq: Record, block_size: int) -> tuple[int, int]:
+    """Anchors a with every slot target a+1..a+B inside the continuation the target generated:
+    a in [prompt_len, L - 1 - B] (empty when lo > hi)."""
+    return seq.prompt_len, len(seq.tokens) - 1 - block_size
+
+
+def usable(seqs: Sequence[Record], block_size: int) -> list[Record]:
+    return [s for s in seqs if anchor_range(s, block_size)[0] <= anchor_range(s, block_size)[1]]

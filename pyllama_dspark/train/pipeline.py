@@ -1,0 +1,307 @@
+"""``pyllama-dspark train``: data -> training -> export -> evaluation, from the target GGUF alone.
+
+Every input is checked before anything is generated (target architecture, taps, prompts with their
+line numbers, the output path, the work directory's settings), and the GGUF appears at ``outfile``
+only once it is complete. Each phase resumes from the work directory.
+
+Test hook: ``PYLLAMA_DSPARK_TRAIN_KILL_AFTER=data:N`` (after N shards written in this run) or
+``train:N`` (after optimizer step N) ends the process at once with status 75, as a kill would (no
+clean-up, no final checkpoint); the resume tests use it to interrupt a run at a known point.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..model import Model
+from .torch_import import torch  # noqa: F401  (fails early, with the install command, when torch is missing)
+from . import data as data_phase
+from . import trainer
+from .export import export_gguf
+from .model import load_frozen_target
+from .settings import (TrainError, TrainSettings, WorkDir, check_target_arch, file_sha256, parse_taps,
+                       target_identity, write_json_atomically)
+
+KILL_ENV = "PYLLAMA_DSPARK_TRAIN_KILL_AFTER"
+KILLED_STATUS = 75
+
+
+@dataclass
+class TrainOptions:
+    target: Path
+    prompts: Path
+    outfile: Path
+    work_dir: Path | None = None
+    eval_prompts: Path | None = None
+    block_size: int = 7
+    layers: int = 1
+    taps: str = "auto"
+    markov_rank: int = 64
+    mask_token: int | None = None
+    n_predict: int = 256
+    temperature: float = 0.0
+    steps: int | None = None
+    minutes: float | None = None
+    lr: float = 1e-2
+    seed: int = 0
+    n_threads: int | None = None
+    outtype: str = "f16"
+    anchors: int = 16
+    seqs_per_step: int = 4
+    parallel: int = 8
+    checkpoint_steps: int = 0
+    shard_size: int = 16
+    eval_n_predict: int | None = None
+    progress: bool = True
+
+
+@dataclass
+class TrainReport:
+    outfile: str
+    work_dir: str
+    settings: dict
+    data: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+    export: dict = field(default_factory=dict)
+    evaluation: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"outfile": self.outfile, "work_dir": self.work_dir, "settings": self.settings, "data": self.data,
+                "training": self.training, "export": self.export, "evaluation": self.evaluation}
+
+    def summary(self) -> str:
+        d, t, e = self.data, self.training, self.export
+        lines = [
+            f"drafter      {self.outfile} ({e.get('bytes', 0) / 1e6:.1f} MB, {e.get('tensors', 0)} tensors)",
+            f"data         {d['sequences']} sequences, {d['tokens']} tokens ({d['generated']} generated), "
+            f"{d['bytes_per_token']:.0f} bytes/token; generated {d['generated_this_run']} tokens this run at "
+            f"{d['tok_s']:.1f} tok/s",
+            f"training     {t['steps_done']}/{t['steps_total']} steps, {t['steps_per_s']:.2f} steps/s this run; "
+            f"loss {t['loss']:.3f}, slot-0 accuracy {t['acc0']:.3f}",
+        ]
+        ev = self.evaluation
+        if ev:
+            lines.append(f"held-out     {ev['prompts']} prompts: accept {ev['accept']:.3f}, tau {ev['tau']:.3f}, "
+                         f"per position {', '.join(f'{x:.2f}' for x in ev['per_position'])}; "
+                         f"token match {ev['token_match']}/{ev['prompts']}; "
+                         f"plain {ev['ar_tok_s']:.1f} tok/s, speculative {ev['sp_tok_s']:.1f} tok/s "
+                         f"(speedup {ev['speedup']:.3f})")
+        return "\n".join(lines)
+
+
+class _Progress:
+    """A tqdm bar on a terminal; elsewhere (a log file, a pipe) a plain line every 15 s and at the end."""
+
+    def __init__(self, enabled: bool, desc: str, unit: str, total: int):
+        self.enabled, self.desc, self.unit, self.total = enabled, desc, unit, total
+        self.n, self.postfix = 0, ""
+        self._bar = None
+        self._t0 = self._last = time.perf_counter()
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(file=sys.stderr, dynamic_ncols=True, desc=desc, unit=unit, total=total)
+
+    def update(self, n: int = 1, *, to: int | None = None, **postfix) -> None:
+        self.n = to if to is not None else self.n + n
+        if postfix:
+            self.postfix = ", ".join(f"{k} {v}" for k, v in postfix.items())
+        if self._bar is not None:
+            self._bar.n = self.n
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+            self._bar.refresh()
+        elif self.enabled and time.perf_counter() - self._last >= 15.0:
+            self._line()
+
+    def _line(self) -> None:
+        rate = self.n / max(1e-9, time.perf_counter() - self._t0)
+        tail = f", {self.postfix}" if self.postfix else ""
+        print(f"{self.desc}: {self.n}/{self.total} {self.unit} ({rate:.1f} {self.unit}/s{tail})", file=sys.stderr)
+        self._last = time.perf_counter()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        elif self.enabled:
+            self._line()
+
+
+def _kill_point() -> tuple[str, int] | None:
+    value = os.environ.get(KILL_ENV)
+    if not value:
+        return None
+    phase, _, count = value.partition(":")
+    return phase, int(count)
+
+
+def _check_outfile(outfile: Path) -> None:
+    if outfile.is_dir():
+        raise TrainError(f"--outfile {outfile} is a directory")
+    if not outfile.parent.is_dir():
+        raise TrainError(f"--outfile {outfile}: folder {outfile.parent} does not exist")
+
+
+def prepare(options: TrainOptions, model: Model) -> tuple[TrainSettings, list[list[int]], list[list[int]] | None]:
+    """Check every input against the loaded target; return the settings and the tokenized prompts."""
+    check_target_arch(model.arch)
+    taps = parse_taps(options.taps, model.n_layer)
+    for name in ("block_size", "layers", "n_predict", "anchors", "seqs_per_step", "parallel", "shard_size"):
+        value = getattr(options, name)
+        if not isinstance(value, int) or value < 1:
+            raise TrainError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if options.markov_rank < 0:
+        raise TrainError(f"--markov-rank must be >= 0, got {options.markov_rank}")
+    if options.n_predict <= options.block_size:
+        raise TrainError(f"--n-predict ({options.n_predict}) must exceed --block-size ({options.block_size}): "
+                         f"anchors need a whole block of generated tokens after them")
+    if (options.steps is None) == (options.minutes is None):
+        raise TrainError("give exactly one of --steps N and --minutes M")
+    if options.steps is not None and options.steps < 0:
+        raise TrainError(f"--steps must be >= 0, got {options.steps}")
+    if options.minutes is not None and options.minutes <= 0:
+        raise TrainError(f"--minutes must be > 0, got {options.minutes}")
+    if options.temperature < 0:
+        raise TrainError(f"--temperature must be >= 0, got {options.temperature}")
+    mask = model.n_vocab - 1 if options.mask_token is None else options.mask_token
+    if not 0 <= mask < model.n_vocab:
+        raise TrainError(f"--mask-token {mask} outside the vocabulary [0, {model.n_vocab})")
+    _check_outfile(options.outfile)
+    prompts = data_phase.read_prompts(options.prompts, model)
+    eval_prompts = data_phase.read_prompts(options.eval_prompts, model) if options.eval_prompts else None
+    settings = TrainSettings(
+        target=target_identity(options.target), prompts=file_sha256(options.prompts), taps=taps,
+        n_predict=options.n_predict, temperature=float(options.temperature), block_size=options.block_size,
+        n_layer=options.layers, markov_rank=options.markov_rank, mask_token=mask, steps=options.steps or 0,
+        minutes=float(options.minutes or 0.0), lr=float(options.lr), seed=options.seed, anchors=options.anchors,
+        seqs_per_step=options.seqs_per_step, shard_size=options.shard_size)
+    return settings, prompts, eval_prompts
+
+
+def run(options: TrainOptions) -> TrainReport:
+    """All phases; see the module docstring."""
+    if not options.target.is_file():
+        raise TrainError(f"--target {options.target}: no such file")
+    kill = _kill_point()
+    with Model(options.target) as model:
+        settings, prompts, eval_prompts = prepare(options, model)
+        work = WorkDir(options.work_dir or options.outfile.with_name(options.outfile.stem + ".work"))
+        work.open(settings)
+        report = TrainReport(outfile=str(options.outfile), work_dir=str(work.root), settings=settings.as_dict())
+
+        # --- data ------------------------------------------------------------------------------
+        shards_written = 0
+        bar = _Progress(options.progress, "data", "tok", len(prompts) * options.n_predict)
+
+        def on_tokens(n: int) -> None:
+            bar.update(n)
+
+        def on_shard() -> None:
+            nonlocal shards_written
+            shards_written += 1
+            if kill and kill[0] == "data" and shards_written >= kill[1]:
+                os._exit(KILLED_STATUS)
+
+        stats = data_phase.generate_data(model, prompts, settings, work, n_threads=options.n_threads,
+                                         parallel=options.parallel, progress=on_tokens, on_shard=on_shard)
+        bar.close()
+        report.data = {"sequences": stats.sequences, "tokens": stats.tokens, "generated": stats.generated,
+                       "bytes": stats.bytes, "bytes_per_token": stats.bytes / max(1, stats.tokens),
+                       "generated_this_run": stats.generated_this_run, "tok_s": stats.tok_s,
+                       "seconds": stats.seconds, "shards": stats.shards_total, "parallel": options.parallel}
+    records = data_phase.usable(data_phase.load_sequences(work), settings.block_size)
+    if not records:
+        raise TrainError(f"no sequence has {settings.block_size + 1} generated tokens to anchor a block on (the "
+                         f"target stopped early on every prompt); use more or longer prompts")
+
+    # --- training --------------------------------------------------------------------------------
+    if options.n_threads:
+        torch.set_num_threads(options.n_threads)
+    frozen = load_frozen_target(options.target)
+    module = trainer.build_module(settings, frozen)
+    steps = _resolve_steps(settings, work, module, records)
+    bar = _Progress(options.progress, "train", "step", steps)
+
+    def on_step(log: trainer.StepLog) -> None:
+        bar.update(to=log.step, loss=f"{log.loss:.3f}", acc0=f"{log.acc0:.3f}")
+        if kill and kill[0] == "train" and log.step >= kill[1]:
+            os._exit(KILLED_STATUS)
+
+    tstats = trainer.train(module, records, settings, work, steps, checkpoint_steps=options.checkpoint_steps,
+                           on_step=on_step)
+    bar.close()
+    last = tstats.last
+    report.training = {
+        "steps_done": tstats.steps_done, "steps_total": steps, "steps_this_run": tstats.steps_this_run,
+        "steps_per_s": tstats.steps_per_s, "seconds": tstats.seconds,
+        "seconds_forward": tstats.time_forward, "seconds_backward": tstats.time_backward,
+        "seconds_optimizer": tstats.time_optimizer,
+        "loss": last.loss if last else float("nan"), "acc0": last.acc0 if last else float("nan"),
+        "acc_per_slot": last.acc if last else [], "parameters": sum(p.numel() for p in module.parameters()),
+    }
+
+    # --- export ------------------------------------------------------------------------------------
+    result = export_gguf(module, settings.taps, work.export, options.outfile, options.target, outtype=options.outtype)
+    report.export = {"bytes": options.outfile.stat().st_size, "tensors": len(result.tensors),
+                     "checkpoint": str(work.export), "outtype": options.outtype}
+
+    # --- held-out evaluation -----------------------------------------------------------------------
+    if eval_prompts:
+        report.evaluation = evaluate(options.target, options.outfile, eval_prompts,
+                                     n_predict=options.eval_n_predict or options.n_predict, n_threads=options.n_threads)
+    write_json_atomically(work.root / "report.json", report.as_dict())
+    return report
+
+
+def _resolve_steps(settings: TrainSettings, work: WorkDir, module, records) -> int:
+    """The step count: --steps, or --minutes divided by the time of a few timed steps (done once, on a copy of
+    the module, and recorded in train/plan.json so a resumed run keeps the same schedule)."""
+    if settings.minutes <= 0:
+        return settings.steps
+    plan = work.train / "plan.json"
+    if plan.exists():
+        import json
+
+        return int(json.loads(plan.read_text())["steps"])
+    import copy
+
+    probe = copy.deepcopy(module)
+    optimizer = torch.optim.AdamW(probe.parameters(), lr=settings.lr)
+    t0, n = time.perf_counter(), 3
+    for step in range(n):
+        optimizer.zero_grad()
+        for index, anchors in trainer.draw(records, settings, step):
+            loss, _ = trainer.sequence_loss(probe, records[index], anchors, settings.gamma)
+            loss.backward()
+        optimizer.step()
+    per_step = (time.perf_counter() - t0) / n
+    steps = max(1, int(settings.minutes * 60.0 / per_step))
+    work.train.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(plan, {"steps": steps, "seconds_per_step": per_step, "minutes": settings.minutes})
+    return steps
+
+
+def evaluate(target: Path, drafter: Path, prompts: list[list[int]], *, n_predict: int,
+             n_threads: int | None = None) -> dict:
+    """Plain vs speculative greedy decoding of held-out prompts with the exported drafter (``bench``'s loop)."""
+    from ..bench import BenchSummary, run_bench
+
+    with Model(target) as model:
+        items = [{"tokens": p} for p in prompts]
+        summary = BenchSummary(list(run_bench(model, drafter, items, n_predict=n_predict, n_threads=n_threads,
+                                              n_ctx=max(len(p) for p in prompts) + n_predict + 16)))
+    d = summary.as_dict()
+    width = max(len(r["reached_per_pos"]) for r in d["per_prompt"])
+    reached, accepted = np.zeros(width), np.zeros(width)
+    for r in d["per_prompt"]:  # a prompt whose drafts were shorter reached fewer positions
+        reached[: len(r["reached_per_pos"])] += r["reached_per_pos"]
+        accepted[: len(r["accepted_per_pos"])] += r["accepted_per_pos"]
+    per_position = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
+    return {k: d[k] for k in ("prompts", "n_predicted", "rounds", "drafted", "accepted", "accept", "tau", "ar_tok_s",
+                              "sp_tok_s", "speedup", "token_match")} | {"per_position": per_position}
