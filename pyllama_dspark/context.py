@@ -199,6 +199,12 @@ class Context(Owned):
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
 
+    @_serialised
+    def set_consistent_numerics(self, enabled: bool) -> None:
+        """Switch the consistent-numerics mode (see the class docstring) for the following decodes."""
+        _check_status(lib.llama_dspark_set_consistent_numerics(self.ptr, bool(enabled)),
+                      "llama_dspark_set_consistent_numerics")
+
     # --- decode ------------------------------------------------------------------------
     def embd_batch(self, width: int | None = None) -> EmbdBatch:
         """A batch of float rows for this context (default width: the model's n_embd)."""

@@ -821,3 +821,25 @@ def write_tiny_dspark_checkpoint(
         tensors = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
     _write_shards(folder, tensors, shards, bf16=dtype == "bf16")
     return folder
+
+
+class AlwaysRightDrafter:
+    """A drafter that proposes a known continuation: ``sequence`` holds prompt + the target's greedy output,
+    indexed by position, so every draft is accepted. Speculative decoding with it measures the ceiling the
+    loop allows on a machine (benchmarks), and its output must equal plain greedy decoding."""
+
+    capture_layers: list[int] = []
+
+    def __init__(self, sequence, block_size: int):
+        self.sequence, self.block_size = [int(t) for t in sequence], int(block_size)
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, tokens, rows, pos0: int) -> None:
+        pass
+
+    def propose(self, anchor: int, pos: int, n_max: int, sampler=None):
+        from .drafter import Draft
+
+        return Draft(tokens=np.asarray(self.sequence[pos + 1: pos + 1 + n_max], dtype=np.int32))

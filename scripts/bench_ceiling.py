@@ -17,31 +17,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from pyllama_dspark import Context, Model, generate
-from pyllama_dspark.drafter import Draft
 from pyllama_dspark.speculative import Speculator
 from pyllama_dspark.stats import SpecStats
-from pyllama_dspark.testing import TinySpec, tiny_model
-
-
-class AlwaysRight:
-    """Proposes the known greedy continuation (positions index prompt + continuation)."""
-
-    capture_layers: list[int] = []
-
-    def __init__(self, sequence, block_size):
-        self.sequence, self.block_size = list(sequence), block_size
-
-    def reset(self):
-        pass
-
-    def observe(self, tokens, rows, pos0):
-        pass
-
-    def propose(self, anchor, pos, n_max, sampler=None):
-        return Draft(tokens=np.asarray(self.sequence[pos + 1: pos + 1 + n_max], dtype=np.int32))
+from pyllama_dspark.testing import AlwaysRightDrafter as AlwaysRight, TinySpec, tiny_model
 
 
 def main() -> None:

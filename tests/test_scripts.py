@@ -40,3 +40,13 @@ def test_bench_ceiling_small(tmp_path):
     result = run_script("bench_ceiling.py", "--n-layer", "2", "--n-embd", "64", "--n-predict", "16", "--n-draft", "2",
                         "--repeats", "1", tmp_path=tmp_path)
     assert result["speedup"]["spec_k2"] > 0
+
+
+def test_bench_verify_cost_small(tmp_path, make_model):
+    path = make_model(arch="llama", n_layer=2)
+    result = run_script("bench_verify_cost.py", "--model", str(path), "--n", "1", "2", "4", "--repeats", "1",
+                        "--ceiling-k", "1", "2", "--ceiling-repeats", "1", "--n-predict", "8", tmp_path=tmp_path)
+    for mode in ("consistent", "fast"):
+        assert set(result["decode"][mode]["relative"]) == {"1", "2", "4"}
+        assert result["decode"][mode]["relative"]["1"] == 1.0
+    assert set(result["ceiling"]["speedup"]) == {"k1", "k2"}

