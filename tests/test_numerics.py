@@ -49,3 +49,34 @@ def test_without_the_mode_batched_rows_differ(quantized):
         single = single_rows(model, consistent_numerics=False)
         batched = batched_rows(model, 8, consistent_numerics=False)
     assert np.abs(batched - single).max() > 0
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_1"])
+def test_batches_use_the_two_column_kernels_and_single_tokens_do_not(quantized, qtype):
+    """Patch 0008: a small batch of q4_1/q8_0 weights goes through the two-column dot kernels (the rows are
+    still bit-identical to single tokens, see above); a one-token decode keeps the one-column kernel."""
+    from pyllama_dspark._lib import lib
+
+    if lib.ggml_cpu_dspark_x2_chunks() == 0 and not _x2_built():
+        pytest.skip("the two-column kernels are built for AVX2 on x86-64 only")
+    with Model(quantized("llama", qtype)) as model:
+        ctx = Context(model, n_ctx=256, n_batch=16)
+        batch = Batch(16)
+        batch.add_tokens(TOKENS[:4], 0, logits="last")
+        ctx.decode(batch)
+        before = lib.ggml_cpu_dspark_x2_chunks()
+        batch.clear()
+        batch.add(TOKENS[4], 4, logits=True)
+        ctx.decode(batch)
+        assert lib.ggml_cpu_dspark_x2_chunks() == before, "a single-token decode used the two-column kernels"
+        batch.clear()
+        batch.add_tokens(TOKENS[5:8], 5, logits="all")
+        ctx.decode(batch)
+        assert lib.ggml_cpu_dspark_x2_chunks() > before, "a 3-token decode did not use the two-column kernels"
+
+
+def _x2_built() -> bool:
+    import platform
+
+    with open("/proc/cpuinfo") as fh:
+        return platform.machine() in ("x86_64", "AMD64") and " avx2" in fh.read()

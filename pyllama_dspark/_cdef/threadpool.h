@@ -17,3 +17,6 @@ void llama_attach_threadpool(
         struct llama_context * ctx,
            ggml_threadpool_t   threadpool,
            ggml_threadpool_t   threadpool_batch);
+
+// pyllama-dspark (patch 0008): mul_mat chunks computed with the two-column dot kernels so far
+int64_t ggml_cpu_dspark_x2_chunks(void);
