@@ -111,7 +111,7 @@ class Speculator:
         sampler = sampler or Sampler()
         stats = stats if stats is not None else SpecStats()
         stats.n_prompt = len(tokens)
-        ctx, n_ctx = self.target, self.target.n_ctx
+        ctx = self.target
         if max_tokens == 0:
             return
         with ctx.generation("speculative generation"):  # ContextBusyError if another generation runs on ctx

@@ -27,8 +27,6 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 from pyllama_dspark import Context, Model
 from pyllama_dspark.drafter import DSparkDrafter
 from pyllama_dspark.resources import tool_path

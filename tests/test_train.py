@@ -16,8 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs PyTorch: pip install torch==2.13.0 && pip install '.[train]'")
 
-from pyllama_dspark import Batch, Context, DSparkDrafter, Model, generate  # noqa: E402
-from pyllama_dspark.speculative import Speculator  # noqa: E402
+from pyllama_dspark import Batch, Context, DSparkDrafter, Model  # noqa: E402
 from pyllama_dspark.testing import TinySpec, tiny_model  # noqa: E402
 from pyllama_dspark.train.export import export_gguf  # noqa: E402
 from pyllama_dspark.train.model import DraftConfig, DSparkDraft, load_frozen_target  # noqa: E402
