@@ -271,15 +271,11 @@ def _resolve_steps(settings: TrainSettings, work: WorkDir, module, records) -> i
         return int(json.loads(plan.read_text())["steps"])
     import copy
 
-    probe = copy.deepcopy(module)
-    optimizer = torch.optim.AdamW(probe.parameters(), lr=settings.lr)
+    probe = copy.deepcopy(module)  # timed steps on a copy: the run itself starts from the untouched module
+    optimizer = trainer.new_optimizer(probe, settings)
     t0, n = time.perf_counter(), 3
     for step in range(n):
-        optimizer.zero_grad()
-        for index, anchors in trainer.draw(records, settings, step):
-            loss, _ = trainer.sequence_loss(probe, records[index], anchors, settings.gamma)
-            loss.backward()
-        optimizer.step()
+        trainer.optimizer_step(probe, optimizer, records, settings, step, n, trainer.TrainStats())
     per_step = (time.perf_counter() - t0) / n
     steps = max(1, int(settings.minutes * 60.0 / per_step))
     work.train.mkdir(parents=True, exist_ok=True)

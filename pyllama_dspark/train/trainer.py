@@ -130,6 +130,40 @@ def save_checkpoint(path: Path, module: DSparkDraft, optimizer, step: int) -> No
     os.replace(tmp, path)
 
 
+def optimizer_step(module: DSparkDraft, optimizer, records: list[Record], settings: TrainSettings, step: int,
+                   steps: int, stats: TrainStats) -> StepLog:
+    """Step ``step`` of a ``steps``-step schedule: its sequences, forward, backward, clipping, AdamW. Adds its
+    phase times to ``stats``."""
+    t0 = time.perf_counter()
+    lr = learning_rate(settings, steps, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    batch = draw(records, settings, step)
+    total, metrics = 0.0, []
+    for index, anchors in batch:
+        tf = time.perf_counter()
+        loss, m = sequence_loss(module, records[index], anchors, settings.gamma)
+        tb = time.perf_counter()
+        (loss / len(batch)).backward()
+        stats.time_forward += tb - tf
+        stats.time_backward += time.perf_counter() - tb
+        total += float(loss.detach()) / len(batch)
+        metrics.append(m)
+    to = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), settings.clip)
+    optimizer.step()
+    stats.time_optimizer += time.perf_counter() - to
+    acc = np.mean([m["acc"] for m in metrics], axis=0).tolist()
+    return StepLog(step=step + 1, loss=total, ce=float(np.mean([m["ce"] for m in metrics])),
+                   tvd=float(np.mean([m["tvd"] for m in metrics])), acc0=acc[0], acc=acc, lr=lr,
+                   seconds=time.perf_counter() - t0)
+
+
+def new_optimizer(module: DSparkDraft, settings: TrainSettings):
+    return torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+
+
 def train(module: DSparkDraft, records: list[Record], settings: TrainSettings, work: WorkDir, steps: int, *,
           checkpoint_seconds: float = 60.0, checkpoint_steps: int = 0,
           on_step: Callable[[StepLog], None] | None = None) -> TrainStats:
@@ -139,7 +173,7 @@ def train(module: DSparkDraft, records: list[Record], settings: TrainSettings, w
     and at the end; an interrupted run loses at most the steps since the last one.
     """
     work.train.mkdir(parents=True, exist_ok=True)
-    optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    optimizer = new_optimizer(module, settings)
     start = 0
     ck = work.train / CHECKPOINT
     if ck.exists():
@@ -151,30 +185,7 @@ def train(module: DSparkDraft, records: list[Record], settings: TrainSettings, w
     last_save = time.perf_counter()
     t_run = time.perf_counter()
     for step in range(start, steps):
-        t0 = time.perf_counter()
-        lr = learning_rate(settings, steps, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        batch = draw(records, settings, step)
-        total, metrics = 0.0, []
-        for index, anchors in batch:
-            tf = time.perf_counter()
-            loss, m = sequence_loss(module, records[index], anchors, settings.gamma)
-            tb = time.perf_counter()
-            (loss / len(batch)).backward()
-            stats.time_forward += tb - tf
-            stats.time_backward += time.perf_counter() - tb
-            total += float(loss.detach()) / len(batch)
-            metrics.append(m)
-        to = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), settings.clip)
-        optimizer.step()
-        stats.time_optimizer += time.perf_counter() - to
-        acc = np.mean([m["acc"] for m in metrics], axis=0).tolist()
-        log = StepLog(step=step + 1, loss=total, ce=float(np.mean([m["ce"] for m in metrics])),
-                      tvd=float(np.mean([m["tvd"] for m in metrics])), acc0=acc[0], acc=acc, lr=lr,
-                      seconds=time.perf_counter() - t0)
+        log = optimizer_step(module, optimizer, records, settings, step, steps, stats)
         stats.steps_done, stats.steps_this_run, stats.last = step + 1, stats.steps_this_run + 1, log
         stats.history.append({"step": log.step, "loss": log.loss, "acc0": log.acc0})
         due = ((step + 1) % checkpoint_steps == 0 if checkpoint_steps > 0
