@@ -5,10 +5,11 @@ what the target committed. DSparkDrafter keeps the target's tapped hidden
 states for every committed position in its own KV cache (injected at their
 absolute positions) and drafts a whole block in one decode:
 
-    propose(anchor, pos): decode [anchor, mask x (B-1)] at positions pos..pos+B-1
-        (non-causal), read B slot logits (the Markov bias is applied in-graph
-        with the greedy chain prev_0 = anchor, prev_k = argmax of slot k-1),
-        then drop the block's own cells so only committed features remain.
+    propose(anchor, pos, n_max): decode [anchor, mask x (B-1)] at positions pos..pos+B-1
+        (non-causal), read the first n_max slot logits (the Markov bias is applied
+        in-graph with the greedy chain prev_0 = anchor, prev_k = argmax of slot
+        k-1; the output head runs on those n_max rows only), then drop the
+        block's own cells so only committed features remain.
     observe(rows, pos0): inject the target's capture rows of newly committed
         positions pos0.. (width n_taps * n_embd_target).
 
@@ -193,6 +194,8 @@ class DSparkDrafter:
         self.width = len(self.info.target_layers) * target.model.n_embd
         self._rows = self.ctx.embd_batch(self.width)
         self._block = Batch(self.info.block_size)
+        self._pending: np.ndarray | None = None  # observed rows not injected yet, at positions _pending_pos0..
+        self._pending_pos0 = 0
         self._bias = None  # Markov bias function, loaded on the first sampled draft
 
     @property
@@ -223,6 +226,7 @@ class DSparkDrafter:
     def reset(self) -> None:
         self._check_open()
         self.ctx.clear()
+        self._pending = None
 
     def _check_open(self) -> None:
         if self.target.closed:
@@ -232,14 +236,35 @@ class DSparkDrafter:
             raise ClosedHandleError("DSparkDrafter is closed")
 
     def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int) -> None:
-        """Inject the capture rows of committed positions pos0.. into the drafter's KV cache."""
+        """Take the capture rows of committed positions pos0.. (anything observed at or after pos0 before is
+        stale: rejected or re-fed).
+
+        The rows are injected into the drafter's KV cache lazily, in one decode before the next ``propose``:
+        rounds that do not draft (a cost-aware loop's plain steps) then cost one batched injection later
+        instead of one decode each.
+        """
         self._check_open()
         if rows is None or len(rows) == 0:
             return
-        rows = np.asarray(rows, dtype=np.float32)
+        rows = np.array(rows, dtype=np.float32)  # a copy: the caller's buffer may be the target's, reused
         if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"feature rows must be [n, {self.width}], got {list(rows.shape)}")
-        self.ctx.seq_rm(0, pos0, -1)  # anything at or after pos0 is stale (rejected or re-fed)
+        if self._pending is not None:
+            end = self._pending_pos0 + len(self._pending)
+            if self._pending_pos0 <= pos0 <= end:
+                self._pending = np.concatenate([self._pending[: pos0 - self._pending_pos0], rows])
+                return
+            if pos0 > end:
+                self._flush()
+        self._pending, self._pending_pos0 = rows, pos0
+
+    def _flush(self) -> None:
+        """Inject the pending rows (dropping the cache's cells at and after their first position)."""
+        rows, pos0 = self._pending, self._pending_pos0
+        if rows is None:
+            return
+        self._pending = None
+        self.ctx.seq_rm(0, pos0, -1)
         step = self.ctx.n_batch
         for start in range(0, len(rows), step):
             self._rows.clear()
@@ -258,12 +283,18 @@ class DSparkDrafter:
         self._check_open()
         block = self.info.block_size
         n_max = block if n_max is None else min(int(n_max), block)
+        if n_max < 1:
+            raise ValueError(f"n_max must be >= 1, got {n_max}")
+        self._flush()
         self._block.clear()
-        self._block.add_tokens([anchor] + [self.info.mask_token] * (block - 1), pos, logits="all")
+        # The whole block is decoded (its slots attend to each other), but only the first n_max slots are
+        # flagged: patch 0009 runs the output head, the Markov chain and the confidence head on those alone.
+        self._block.add_tokens([anchor] + [self.info.mask_token] * (block - 1), pos,
+                               logits=[True] * n_max + [False] * (block - n_max))
         try:
             self.ctx.decode(self._block)
             logits = self.ctx.all_logits().copy()
-            confidence = (np.array([self.ctx.nextn_row(i)[0] for i in range(block)], dtype=np.float32)
+            confidence = (np.array([self.ctx.nextn_row(i)[0] for i in range(n_max)], dtype=np.float32)
                           if self.info.has_confidence else None)
         finally:
             self.ctx.seq_rm(0, pos, -1)  # the block's own cells are not context
@@ -315,6 +346,49 @@ class DSparkDrafter:
             scale = float(_dequantize(tensors["markov_w2.scale"]).ravel()[0]) if "markov_w2.scale" in tensors else 1.0
             self._bias = lambda prev: (w1[prev] @ w2.T) * scale
         return self._bias
+
+
+class PromptLookupDrafter:
+    """Prompt lookup (n-gram) drafting: find the text's last few tokens earlier in the prompt or the output
+    and propose what followed them there. No model, no features; a baseline for trained drafters, and useful
+    on its own where outputs repeat their input (extraction, editing, code).
+
+    Args:
+        ngram_max, ngram_min: longest and shortest suffix to look up (the longest that occurs wins; among
+            its occurrences, the most recent).
+        block_size: most tokens proposed per round.
+    """
+
+    capture_layers: list[int] = []
+
+    def __init__(self, *, ngram_max: int = 3, ngram_min: int = 1, block_size: int = 4):
+        if not 1 <= ngram_min <= ngram_max or block_size < 1:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max and block_size >= 1, got {ngram_min}, "
+                             f"{ngram_max}, {block_size}")
+        self.ngram_max, self.ngram_min, self.block_size = ngram_max, ngram_min, block_size
+        self._tokens: list[int] = []  # committed tokens by position
+
+    def reset(self) -> None:
+        self._tokens = []
+
+    def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int) -> None:
+        del self._tokens[pos0:]
+        if len(self._tokens) < pos0:
+            raise ValueError(f"observed position {pos0} after only {len(self._tokens)} tokens")
+        self._tokens.extend(int(t) for t in tokens)
+
+    def propose(self, anchor: int, pos: int, n_max: int | None = None, sampler=None) -> Draft:
+        n_max = self.block_size if n_max is None else min(int(n_max), self.block_size)
+        text = np.asarray(self._tokens[:pos] + [int(anchor)], dtype=np.int64)
+        for n in range(min(self.ngram_max, len(text) - 1), self.ngram_min - 1, -1):
+            suffix = text[-n:]
+            # start positions s < len - n where text[s:s+n] == suffix, latest first
+            windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return Draft(tokens=text[start:start + n_max].astype(np.int32))
+        return Draft(tokens=np.zeros(0, np.int32))
 
 
 def _dequantize(tensor) -> np.ndarray:

@@ -91,6 +91,24 @@ def test_slot_logits_match_the_numpy_reference(target_path, make_drafter, block_
             np.testing.assert_allclose(draft.confidence, expected.confidence, atol=1e-3)
 
 
+@pytest.mark.parametrize("block_size", [4, 7])
+def test_a_short_draft_computes_only_its_slots_and_matches_the_full_blocks_first_slots(target_path, make_drafter,
+                                                                                       block_size):
+    """propose(n_max=k) flags the first k slots (patch 0009 runs the heads on those rows only): k logit rows,
+    k confidences, equal to the reference's first k slots, for every k."""
+    path = make_drafter(block_size=block_size, confidence_head=True, markov_rank=8)
+    with prefilled(target_path, path, 17) as (drafter, rows):
+        expected = reference(target_path, path, rows, drafter.info)
+        for k in range(1, block_size + 1):
+            draft = drafter.propose(77, 17, k)
+            assert draft.logits.shape[0] == len(draft.tokens) == len(draft.confidence) == k
+            assert rel_err(draft.logits, expected.logits[:k]) < 1e-3
+            assert draft.tokens.tolist() == expected.tokens[:k]
+            np.testing.assert_allclose(draft.confidence, expected.confidence[:k], atol=1e-3)
+        with pytest.raises(ValueError):
+            drafter.propose(77, 17, 0)
+
+
 def test_markov_chain_uses_the_chosen_previous_token(target_path, make_drafter):
     """A graph that biased every slot with the block's input ids (anchor, then mask) would match this
     alternative reference, not the real one."""
