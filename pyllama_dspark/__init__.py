@@ -29,7 +29,8 @@ from .errors import (  # noqa: E402
     MemoryOpError,
     ModelLoadError,
 )
-from .drafter import Draft, Drafter, DrafterError, DSparkDrafter  # noqa: E402
+from .draft_length import DraftLengthChooser  # noqa: E402
+from .drafter import Draft, Drafter, DrafterError, DSparkDrafter, PromptLookupDrafter  # noqa: E402
 from .generate import GenerationResult, TokenEvent, generate  # noqa: E402
 from .model import Model, quantize  # noqa: E402
 from .sampling import Sampler, SamplingParams  # noqa: E402
@@ -38,7 +39,8 @@ from .stats import SpecStats  # noqa: E402
 
 __all__ = [
     "Batch", "EmbdBatch", "Context", "Model", "quantize", "generate", "GenerationResult", "TokenEvent",
-    "Speculator", "Step", "SpecResult", "SpecStats", "DSparkDrafter", "Drafter", "Draft", "DrafterError",
+    "Speculator", "Step", "SpecResult", "SpecStats", "DraftLengthChooser",
+    "DSparkDrafter", "PromptLookupDrafter", "Drafter", "Draft", "DrafterError",
     "Sampler", "SamplingParams", "build_info",
     "LlamaError", "ModelLoadError", "ContextInitError", "DecodeError", "KvCacheFullError",
     "DecodeAbortedError", "InvalidBatchError", "FatalDecodeError", "MemoryOpError", "CaptureError",

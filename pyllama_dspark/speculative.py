@@ -30,6 +30,7 @@ import numpy as np
 
 from .batch import Batch
 from .context import Context
+from .draft_length import DraftLengthChooser
 from .drafter import Draft, Drafter
 from .generate import TokenEvent, prompt_tokens
 from .sampling import Sampler, SamplingParams, probabilities
@@ -66,8 +67,11 @@ class Speculator:
         target: the target's Context. Hybrid/recurrent targets need ``n_rs_seq >= n_draft`` (use
             ``Speculator.make_target_context`` or pass ``n_rs_seq`` to Context).
         drafter: a Drafter (``DSparkDrafter``, or any object with its protocol).
-        n_draft: most draft tokens per round (default: the drafter's block size). Larger values are
-            clamped to the block size with a warning.
+        n_draft: draft exactly this many tokens per round (fewer only where the drafter's confidence cut,
+            the context or max_tokens say so). Larger values are clamped to the block size with a warning.
+            Default None: cost-aware, each round picks 0..block size drafts to maximise expected tokens per
+            second (``DraftLengthChooser``: running acceptance, the confidence head, and verify/draft costs
+            measured on this machine); 0 is a plain decode step.
         n_draft_min: drafts shorter than this are dropped (the round becomes a plain decode).
 
     Raises:
@@ -76,6 +80,7 @@ class Speculator:
 
     def __init__(self, target: Context, drafter: Drafter, *, n_draft: int | None = None, n_draft_min: int = 0):
         block = int(drafter.block_size)
+        self.draft_length = DraftLengthChooser(block) if n_draft is None else None
         n_draft = block if n_draft is None else int(n_draft)
         if n_draft < 0 or n_draft_min < 0:
             raise ValueError(f"n_draft and n_draft_min must be >= 0, got {n_draft} and {n_draft_min}")
@@ -139,7 +144,10 @@ class Speculator:
                 if eog or n_left == 0 or pos >= n_ctx:
                     stats.stop_reason = "eog" if eog else "max_tokens" if n_left == 0 else "n_ctx"
                     return
-                step = self._round(anchor, pos, min(self.n_draft, n_ctx - pos - 1, n_left - 1), sampler, stats)
+                n_max = min(self.n_draft, n_ctx - pos - 1, n_left - 1)
+                if self.draft_length is not None:
+                    n_max = self.draft_length.plan(n_max)
+                step = self._round(anchor, pos, n_max, sampler, stats)
                 pos += len(step.tokens)
                 anchor = step.tokens[-1]
         finally:
@@ -170,9 +178,11 @@ class Speculator:
         t0 = time.perf_counter()
         draft = drafter.propose(anchor, pos, n_max, sampler=sampler) if n_max > 0 else Draft(np.zeros(0, np.int32))
         drafts = np.asarray(draft.tokens[:n_max], dtype=np.int32)
+        t1 = time.perf_counter()
+        if self.draft_length is not None:
+            drafts = drafts[: self.draft_length.cut(draft.confidence, len(drafts), t1 - t0)]
         if len(drafts) < self.n_draft_min:
             drafts = drafts[:0]
-        t1 = time.perf_counter()
         # verify: [anchor, d0..dk-1], every row's logits; row i predicts the token after row i's token
         k = len(drafts)
         self._batch.clear()
@@ -187,6 +197,8 @@ class Speculator:
         drafter.observe(np.concatenate([[anchor], drafts[:n]]).astype(np.int32), features, pos)
         t2 = time.perf_counter()
         stats.observe_round(k, n)
+        if self.draft_length is not None:
+            self.draft_length.observe_round(k, n, t1 - t0, t2 - t1)
         stats.t_draft += t1 - t0
         stats.t_verify += t2 - t1
         committed = [int(t) for t in drafts[:n]] + [token]

@@ -3,6 +3,8 @@
 Definitions (DSPARK.md "Metrics"):
 - drafted: draft tokens sent to verify; accepted: of those, accepted.
 - accept rate = accepted / drafted.
+- rounds: verify decodes that checked at least one draft token; plain steps (a round that drafted
+  nothing: the cost-aware loop's k = 0, or a draft shorter than n_draft_min) are counted apart.
 - tau (mean acceptance length) = accepted / rounds + 1 (the +1 is the target's own token).
 - per-position acceptance (1-based i): position i is reached iff i <= a + 1 (and i <= drafted that
   round), accepted iff i <= a.
@@ -18,6 +20,7 @@ class SpecStats:
     n_prompt: int = 0
     n_generated: int = 0
     rounds: int = 0
+    plain_steps: int = 0
     drafted: int = 0
     accepted: int = 0
     reached_per_pos: list[int] = field(default_factory=list)
@@ -32,6 +35,9 @@ class SpecStats:
         """Record one verify decode that checked n_drafted draft tokens and accepted n_accepted."""
         if not 0 <= n_accepted <= n_drafted:
             raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted")
+        if n_drafted == 0:
+            self.plain_steps += 1
+            return
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
@@ -70,6 +76,7 @@ class SpecStats:
         """An aligned `key = value` block, like speculative-simple's."""
         rows = [
             ("n_prompt", self.n_prompt), ("n_generated", self.n_generated), ("rounds", self.rounds),
+            ("plain_steps", self.plain_steps),
             ("n_drafted", self.drafted), ("n_accepted", self.accepted),
             ("accept", f"{100 * self.accept_rate:.3f}%"), ("tau", f"{self.tau:.3f}"),
             ("per_position", " ".join(f"{r:.2f}" for r in self.per_position_rate)),
@@ -82,6 +89,7 @@ class SpecStats:
     def as_dict(self) -> dict:
         return {
             "n_prompt": self.n_prompt, "n_generated": self.n_generated, "rounds": self.rounds,
+            "plain_steps": self.plain_steps,
             "drafted": self.drafted, "accepted": self.accepted, "accept_rate": self.accept_rate, "tau": self.tau,
             "accepted_per_pos": list(self.accepted_per_pos), "reached_per_pos": list(self.reached_per_pos),
             "t_prefill": self.t_prefill, "t_decode": self.t_decode, "decode_tok_s": self.decode_tok_s,

@@ -91,7 +91,8 @@ def test_statistics_are_exactly_as_constructed(arch_model):
         drafter = drafters.prefix(full, model.n_vocab, right, block_size=4)
         tokens, steps, stats = run_spec(model, prompt, drafter, 4)
         rounds = steps[1:]  # steps[0] is the token sampled from the prompt
-        assert stats.rounds == len(rounds)
+        assert stats.rounds == sum(s.n_draft > 0 for s in rounds)
+        assert stats.plain_steps == sum(s.n_draft == 0 for s in rounds)
         for step in rounds:
             assert step.n_accept == min(right, step.n_draft)
             assert step.from_draft == [True] * step.n_accept + [False][: len(step.tokens) - step.n_accept]

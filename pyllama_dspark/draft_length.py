@@ -1,0 +1,178 @@
+"""Cost-aware draft length: how many tokens to draft and to verify in each round.
+
+A round that drafts k tokens commits E[tokens | k] = 1 + sum_{i<k} prod_{j<=i} a_j tokens, where a_j
+is the chance that slot j is accepted once slots < j were, and costs draft(k) + verify(k + 1). The
+chooser picks the k in 0..k_max with the most expected tokens per second (ARCHITECTURE.md section 8).
+k = 0 is a plain decode step.
+
+Two decisions per round, both pure functions of the state below:
+
+1. ``plan(k_max)``, before drafting: the number of slots to draft, from the running per-slot
+   acceptance (this drafter on this text so far) and the measured costs;
+2. ``cut(confidence, k_drafted)``, after drafting: how many of the drafted tokens to verify, from the
+   drafter's per-slot confidences when it has a confidence head (the draft cost is spent by then, so
+   only the verify cost of each further token weighs against its expected gain).
+
+Costs are seconds measured on the running machine by the loop (``observe_round``), kept current with
+an exponential moving average per row count; row counts not measured yet are filled from a straight
+line through the measured ones (cost grows about linearly with rows at these sizes). A chooser that
+settled on k = 0 still probes one draft token now and then (every ``probe_every`` plain rounds,
+doubling after each probe that fails), so a drafter that becomes useful later in the text is noticed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def expected_tokens(accept: np.ndarray, k: int) -> float:
+    """Committed tokens expected from a round verifying k drafts whose conditional acceptances are accept[:k]."""
+    return float(expected_tokens_by_k(accept)[k])
+
+
+def expected_tokens_by_k(accept: np.ndarray) -> np.ndarray:
+    """E[tokens | k] for k = 0..len(accept): 1, 1 + a0, 1 + a0 + a0 a1, ..."""
+    gains = np.cumprod(np.asarray(accept, dtype=np.float64))
+    return np.concatenate([[1.0], 1.0 + np.cumsum(gains)])
+
+
+class CostTable:
+    """Seconds per round part by row count: ``draft(k)`` (k slots drafted) and ``verify(n)`` (n target rows,
+    including the commit work that follows), each an exponential moving average of measurements.
+
+    Row counts not measured yet come from a line through the measured ones, or from the priors (in units of
+    a one-row verify) scaled to the measurements; the estimates are recomputed once per ``observe``.
+    """
+
+    def __init__(self, n_max: int, *, alpha: float = 0.2, verify_prior: tuple[float, float] = (1.0, 0.5),
+                 draft_prior: tuple[float, float] = (0.2, 0.05)):
+        self.alpha = float(alpha)
+        self._measured = {"verify": np.full(n_max + 2, np.nan), "draft": np.full(n_max + 2, np.nan)}
+        self._prior = {"verify": verify_prior, "draft": draft_prior}
+        self._estimates = {name: self._fill(name) for name in self._measured}
+
+    def observe(self, k: int, t_draft: float, t_verify: float) -> None:
+        """One round's measured parts: k drafts (t_draft is 0 for k = 0) and a verify of k + 1 rows."""
+        if k > 0:
+            self._update("draft", k, t_draft)
+        self._update("verify", k + 1, t_verify)
+        self._estimates = {name: self._fill(name) for name in self._measured}
+
+    def verify(self, n: int) -> float:
+        return float(self._estimates["verify"][n])
+
+    def draft(self, k: int) -> float:
+        return 0.0 if k == 0 else float(self._estimates["draft"][k])
+
+    def round_seconds(self, k_max: int) -> np.ndarray:
+        """draft(k) + verify(k + 1) for k = 0..k_max."""
+        draft = self._estimates["draft"][: k_max + 1].copy()
+        draft[0] = 0.0
+        return draft + self._estimates["verify"][1: k_max + 2]
+
+    def _update(self, name: str, n: int, seconds: float) -> None:
+        table = self._measured[name]
+        if n >= len(table) or not np.isfinite(seconds) or seconds < 0:
+            return
+        table[n] = seconds if np.isnan(table[n]) else (1 - self.alpha) * table[n] + self.alpha * seconds
+
+    def _fill(self, name: str) -> np.ndarray:
+        table, (base, per_row) = self._measured[name], self._prior[name]
+        rows = np.arange(len(table), dtype=np.float64)
+        shape = base + per_row * (rows - 1)  # the prior, relative to a one-row verify
+        known = np.flatnonzero(~np.isnan(table))
+        if len(known) >= 2:  # a line through the measured points (least squares), not falling with more rows
+            slope, icept = np.polyfit(known, table[known], 1)
+            if slope < 0:
+                slope, icept = 0.0, float(np.mean(table[known]))
+            estimate = np.maximum(icept + slope * rows, 0.25 * np.min(table[known]))
+        elif len(known) == 1:  # one measurement: the prior's shape scaled to it
+            estimate = shape * table[known[0]] / shape[known[0]]
+        else:
+            v1 = self._measured["verify"][1]
+            estimate = shape * (1.0 if np.isnan(v1) else v1)
+        return np.where(np.isnan(table), estimate, table)
+
+
+@dataclass
+class DraftLengthChooser:
+    """Picks each round's draft length; see the module docstring.
+
+    Args:
+        k_max: most drafts per round (the drafter's block size or the loop's n_draft).
+        accept_prior: assumed conditional acceptance of every slot before any round was seen (optimistic,
+            so a good drafter is tried; a bad one is dropped after a few rejections).
+        alpha: weight of the newest round in the running acceptance averages.
+        probe_every: plain rounds between probes of one draft token once k = 0 was chosen (doubles, up to
+            64, after each rejected probe while slot 0's acceptance is below half the break-even); also,
+            every probe_every-th drafting round drafts one slot more than planned, so the acceptance of
+            the slot after the plan stays measured.
+    """
+
+    k_max: int
+    accept_prior: float = 0.8
+    alpha: float = 0.1
+    probe_every: int = 4
+    costs: CostTable = field(init=False)
+    accept: np.ndarray = field(init=False)
+    _plain_rounds: int = field(default=0, init=False)
+    _probe_gap: int = field(default=0, init=False)
+    _drafted_rounds: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        if self.k_max < 0:
+            raise ValueError(f"k_max must be >= 0, got {self.k_max}")
+        self.costs = CostTable(self.k_max)
+        self.accept = np.full(self.k_max, float(self.accept_prior))
+        self._probe_gap = self.probe_every
+
+    def best(self, k_max: int | None = None) -> int:
+        """The k in 0..k_max with the most expected tokens per second by the running acceptance."""
+        k_max = self.k_max if k_max is None else max(0, min(int(k_max), self.k_max))
+        rates = expected_tokens_by_k(self.accept[:k_max]) / self.costs.round_seconds(k_max)
+        return int(np.argmax(rates))
+
+    def plan(self, k_max: int | None = None) -> int:
+        """Slots to draft this round (0 = a plain decode step)."""
+        best = self.best(k_max)
+        if best > 0 or (k_max is not None and k_max <= 0) or self.k_max == 0:
+            self._plain_rounds = 0
+            self._drafted_rounds += 1
+            if self._drafted_rounds % self.probe_every == 0:  # now and then one slot further, so the
+                best = min(best + 1, self.k_max if k_max is None else k_max)  # slot after the plan is measured
+            return best
+        self._plain_rounds += 1
+        if self._plain_rounds >= self._probe_gap:  # now and then, check whether drafting pays again
+            self._plain_rounds = 0
+            return 1
+        return 0
+
+    def cut(self, confidence: np.ndarray | None, k_drafted: int, t_draft: float) -> int:
+        """Drafted tokens to verify, given this round's per-slot confidences (None: keep them all).
+
+        The draft time is spent: only each further token's verify cost weighs against its expected gain.
+        At least one token is kept, so the running acceptance keeps learning from planned drafts.
+        """
+        if confidence is None or k_drafted <= 1:
+            return k_drafted
+        conf = np.clip(np.asarray(confidence[:k_drafted], dtype=np.float64), 0.0, 1.0)
+        verify = np.array([self.costs.verify(k + 1) for k in range(1, k_drafted + 1)])
+        rates = expected_tokens_by_k(conf)[1:] / (max(t_draft, 0.0) + verify)
+        return 1 + int(np.argmax(rates))
+
+    def observe_round(self, k: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
+        """What the round did: k verified drafts, n_accepted of them accepted, and its measured parts."""
+        self.costs.observe(k, t_draft, t_verify)
+        reached = min(k, n_accepted + 1, self.k_max)  # slot i was reached; accepted iff i < n_accepted
+        for i in range(reached):
+            self.accept[i] += self.alpha * (float(i < n_accepted) - self.accept[i])
+        if k > 0 and self.best() == 0:
+            # drafting does not pay (yet): probe less often while slot 0 stays far below break-even
+            useless = n_accepted == 0 and self.accept[0] < 0.5 * self.break_even()
+            self._probe_gap = min(self._probe_gap * 2, 64) if useless else self.probe_every
+
+    def break_even(self) -> float:
+        """The acceptance of slot 0 at which drafting one token pays as much as a plain step."""
+        return (self.costs.draft(1) + self.costs.verify(2)) / self.costs.verify(1) - 1.0
