@@ -43,40 +43,58 @@ class CostTable:
     including the commit work that follows), each an exponential moving average of measurements.
 
     Row counts not measured yet come from a line through the measured ones, or from the priors (in units of
-    a one-row verify) scaled to the measurements; the estimates are recomputed once per ``observe``.
+    a one-row verify) scaled to the measurements.
     """
 
     def __init__(self, n_max: int, *, alpha: float = 0.2, verify_prior: tuple[float, float] = (1.0, 0.5),
-                 draft_prior: tuple[float, float] = (0.2, 0.05)):
+                 draft_prior: tuple[float, float] = (0.2, 0.05), refit_every: int = 32):
         self.alpha = float(alpha)
         self._measured = {"verify": np.full(n_max + 2, np.nan), "draft": np.full(n_max + 2, np.nan)}
         self._prior = {"verify": verify_prior, "draft": draft_prior}
-        self._estimates = {name: self._fill(name) for name in self._measured}
+        # the fill-in for unmeasured row counts is refitted when a row count is measured for the first time and
+        # every refit_every rounds (a least-squares fit per round would cost a few percent of a decode)
+        self._refit_every, self._since_fit = int(refit_every), 0
+        self._fits = {name: self._fill(name) for name in self._measured}
 
     def observe(self, k: int, t_draft: float, t_verify: float) -> None:
         """One round's measured parts: k drafts (t_draft is 0 for k = 0) and a verify of k + 1 rows."""
+        new = False
         if k > 0:
-            self._update("draft", k, t_draft)
-        self._update("verify", k + 1, t_verify)
-        self._estimates = {name: self._fill(name) for name in self._measured}
+            new |= self._update("draft", k, t_draft)
+        new |= self._update("verify", k + 1, t_verify)
+        self._since_fit += 1
+        if new or self._since_fit >= self._refit_every:
+            self._fits = {name: self._fill(name) for name in self._measured}
+            self._since_fit = 0
+
+    def _estimates(self, name: str) -> np.ndarray:
+        measured = self._measured[name]
+        return np.where(np.isnan(measured), self._fits[name], measured)
 
     def verify(self, n: int) -> float:
-        return float(self._estimates["verify"][n])
+        value = self._measured["verify"][n]
+        return float(self._fits["verify"][n] if np.isnan(value) else value)
 
     def draft(self, k: int) -> float:
-        return 0.0 if k == 0 else float(self._estimates["draft"][k])
+        if k == 0:
+            return 0.0
+        value = self._measured["draft"][k]
+        return float(self._fits["draft"][k] if np.isnan(value) else value)
 
     def round_seconds(self, k_max: int) -> np.ndarray:
         """draft(k) + verify(k + 1) for k = 0..k_max."""
-        draft = self._estimates["draft"][: k_max + 1].copy()
+        draft = self._estimates("draft")[: k_max + 1]
         draft[0] = 0.0
-        return draft + self._estimates["verify"][1: k_max + 2]
+        return draft + self._estimates("verify")[1: k_max + 2]
 
-    def _update(self, name: str, n: int, seconds: float) -> None:
+    def _update(self, name: str, n: int, seconds: float) -> bool:
+        """Fold one measurement in; True if this row count had none before."""
         table = self._measured[name]
         if n >= len(table) or not np.isfinite(seconds) or seconds < 0:
-            return
-        table[n] = seconds if np.isnan(table[n]) else (1 - self.alpha) * table[n] + self.alpha * seconds
+            return False
+        first = bool(np.isnan(table[n]))
+        table[n] = seconds if first else (1 - self.alpha) * table[n] + self.alpha * seconds
+        return first
 
     def _fill(self, name: str) -> np.ndarray:
         table, (base, per_row) = self._measured[name], self._prior[name]
@@ -106,7 +124,9 @@ class DraftLengthChooser:
             so a good drafter is tried; a bad one is dropped after a few rejections).
         alpha: weight of the newest round in the running acceptance averages.
         probe_every: plain rounds between probes of one draft token once k = 0 was chosen (doubles, up to
-            64, after each rejected probe while slot 0's acceptance is below half the break-even); also,
+            64, after each rejected probe while a slow average of slot 0's acceptance (``slow_alpha``) is
+            below the break-even; back to probe_every once drafting pays, so a drafter near break-even is not written off by a
+            run of bad luck); also,
             every probe_every-th drafting round drafts one slot more than planned, so the acceptance of
             the slot after the plan stays measured.
     """
@@ -120,6 +140,8 @@ class DraftLengthChooser:
     _plain_rounds: int = field(default=0, init=False)
     _probe_gap: int = field(default=0, init=False)
     _drafted_rounds: int = field(default=0, init=False)
+    slow_alpha: float = 0.05
+    _accept0_slow: float = field(default=0.0, init=False)
 
     def __post_init__(self):
         if self.k_max < 0:
@@ -127,6 +149,7 @@ class DraftLengthChooser:
         self.costs = CostTable(self.k_max)
         self.accept = np.full(self.k_max, float(self.accept_prior))
         self._probe_gap = self.probe_every
+        self._accept0_slow = float(self.accept_prior)
 
     def best(self, k_max: int | None = None) -> int:
         """The k in 0..k_max with the most expected tokens per second by the running acceptance."""
@@ -168,10 +191,13 @@ class DraftLengthChooser:
         reached = min(k, n_accepted + 1, self.k_max)  # slot i was reached; accepted iff i < n_accepted
         for i in range(reached):
             self.accept[i] += self.alpha * (float(i < n_accepted) - self.accept[i])
-        if k > 0 and self.best() == 0:
-            # drafting does not pay (yet): probe less often while slot 0 stays far below break-even
-            useless = n_accepted == 0 and self.accept[0] < 0.5 * self.break_even()
-            self._probe_gap = min(self._probe_gap * 2, 64) if useless else self.probe_every
+        if k > 0:
+            self._accept0_slow += self.slow_alpha * (float(n_accepted > 0) - self._accept0_slow)
+            if self.best() > 0:
+                self._probe_gap = self.probe_every
+            elif n_accepted == 0 and self._accept0_slow < self.break_even():
+                # a rejected probe, and drafting does not pay by a slow average either: probe half as often
+                self._probe_gap = min(self._probe_gap * 2, 64)
 
     def break_even(self) -> float:
         """The acceptance of slot 0 at which drafting one token pays as much as a plain step."""

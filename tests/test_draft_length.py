@@ -65,7 +65,7 @@ def test_a_probe_that_succeeds_brings_drafting_back():
     chooser = DraftLengthChooser(4)
     feed(chooser, 30, accepted=lambda k: 0)
     plans = feed(chooser, 120, accepted=lambda k: k)  # the text became predictable
-    assert plans[-10:] == [plans[-1]] * 10 and plans[-1] >= 3
+    assert np.mean(plans[-20:]) >= 3, plans
 
 
 def test_the_cost_of_verify_decides_the_length():
