@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .context import Context
-from .drafter import DSparkDrafter
+from .drafter import Drafter, DSparkDrafter
 from .generate import generate, prompt_tokens
 from .model import Model
 from .sampling import Sampler, SamplingParams
@@ -53,6 +53,7 @@ class PromptResult:
     sp_tokens: list[int]
     ar_t_decode: float
     stats: SpecStats
+    ar_t_prefill: float = 0.0
 
     @property
     def match(self) -> bool:
@@ -77,12 +78,14 @@ class BenchSummary:
         sp_tokens = sum(r.stats.n_generated for r in rs)
         sp_time = sum(r.stats.t_decode for r in rs)
         rounds = sum(r.stats.rounds for r in rs)
+        plain_steps = sum(r.stats.plain_steps for r in rs)
         drafted = sum(r.stats.drafted for r in rs)
         accepted = sum(r.stats.accepted for r in rs)
         ar_tok_s = ar_tokens / ar_time if ar_time else 0.0
         sp_tok_s = sp_tokens / sp_time if sp_time else 0.0
         return {
-            "prompts": len(rs), "n_predicted": sp_tokens, "rounds": rounds, "drafted": drafted, "accepted": accepted,
+            "prompts": len(rs), "n_predicted": sp_tokens, "rounds": rounds, "plain_steps": plain_steps,
+            "drafted": drafted, "accepted": accepted,
             "accept": accepted / drafted if drafted else 0.0, "tau": accepted / rounds + 1 if rounds else 0.0,
             "ar_tok_s": ar_tok_s, "sp_tok_s": sp_tok_s, "speedup": sp_tok_s / ar_tok_s if ar_tok_s else 0.0,
             "token_match": sum(r.match for r in rs), "token_match_of": len(rs),
@@ -94,41 +97,56 @@ class BenchSummary:
     def overall_line(self) -> str:
         d = self.as_dict()
         return (f"=== OVERALL: prompts={d['prompts']} n_predicted={d['n_predicted']} rounds={d['rounds']} "
+                f"plain_steps={d['plain_steps']} "
                 f"drafted={d['drafted']} accepted={d['accepted']} accept={d['accept']:.3f} tau={d['tau']:.3f} "
                 f"ar_tok_s={d['ar_tok_s']:.2f} sp_tok_s={d['sp_tok_s']:.2f} speedup={d['speedup']:.3f} "
                 f"token_match={d['token_match']}/{d['token_match_of']} ===")
 
 
-def run_bench(model: Model, drafter_path: str | Path, prompts: list[dict], *, n_predict: int, n_draft: int | None = None,
-              n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512, temperature: float = 0.0,
-              seed: int | None = 0) -> Iterator[PromptResult]:
-    """Yield one PromptResult per prompt: plain then speculative decoding on the same context.
+def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], prompts: list[dict], *,
+              n_predict: int, n_draft: int | None = None, n_threads: int | None = None, n_ctx: int = 4096,
+              n_batch: int = 512, temperature: float = 0.0, seed: int | None = 0) -> Iterator[PromptResult]:
+    """Yield one PromptResult per prompt: plain, then speculative decoding, in two contexts of the same settings
+    (the plain one has no capture, so it pays nothing for the drafter).
+
+    Args:
+        drafter: a DSpark drafter GGUF, or a function that makes a Drafter for the speculative context.
+        n_draft: fixed draft length; None = cost-aware (the Speculator's default).
 
     Raises:
         ValueError: chat prompts for a model without a chat template (checked before any decoding).
     """
     if any("messages" in item for item in prompts) and model.chat_template is None:
         raise ValueError(f"{model.path.name} has no chat template: chat ({{\"messages\"}}) prompts cannot be formatted")
-    block = int(DSparkDrafter.peek_block_size(drafter_path))
-    k = block if n_draft is None else min(n_draft, block)
+    if callable(drafter):
+        make_drafter, k_rs = drafter, n_draft or 16  # the block size is known once the drafter exists
+    else:
+        path = drafter
+        block = int(DSparkDrafter.peek_block_size(path))
+        make_drafter = lambda ctx: DSparkDrafter(path, ctx, n_threads=n_threads)  # noqa: E731
+        k_rs = block if n_draft is None else min(n_draft, block)
     hybrid = model.is_hybrid or model.is_recurrent
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-                  n_rs_seq=Speculator.target_rs_seq(k) if hybrid else 0)
-    drafter = DSparkDrafter(drafter_path, ctx, n_threads=n_threads)
+                  n_rs_seq=Speculator.target_rs_seq(k_rs) if hybrid else 0)
+    plain_ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
+    spec_drafter = make_drafter(ctx)
     try:
-        spec = Speculator(ctx, drafter, n_draft=n_draft)
+        spec = Speculator(ctx, spec_drafter, n_draft=n_draft)
         for index, item in enumerate(prompts):
             # token ids (the training evaluation), a text, or chat messages
             text = (item["tokens"] if "tokens" in item else item["prompt"] if "prompt" in item
                     else model.apply_chat_template(item["messages"]))
-            plain = generate(ctx, text, max_tokens=n_predict, temperature=temperature, seed=seed)
+            plain = generate(plain_ctx, text, max_tokens=n_predict, temperature=temperature, seed=seed)
             tokens = prompt_tokens(ctx, text)
             stats = SpecStats()
             sampler = Sampler(SamplingParams(temperature=temperature, seed=seed))
             sp_tokens = [t for step in spec.run(tokens, max_tokens=n_predict, sampler=sampler, stats=stats)
                          for t in step.tokens]
             yield PromptResult(index=index, n_prompt=len(tokens), ar_tokens=plain.tokens, sp_tokens=sp_tokens,
-                               ar_t_decode=plain.t_decode, stats=stats)
+                               ar_t_decode=plain.t_decode, stats=stats, ar_t_prefill=plain.t_prefill)
     finally:
-        drafter.close()
+        close = getattr(spec_drafter, "close", None)
+        if close is not None:
+            close()
         ctx.close()
+        plain_ctx.close()

