@@ -43,18 +43,20 @@ def find_or_build_tool() -> Path:
     if found is not None:
         return found
     build = ROOT / "build" / "parity-tools"
-    exe = build / "bin" / TOOL
-    if not exe.exists():
-        print(f"bench_parity: building {TOOL} into {build} (once; a few minutes)", file=sys.stderr)
-        subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-                        f"-DPYLLAMA_DSPARK_TOOLS={TOOL}", f"-DPython_EXECUTABLE={sys.executable}",
-                        f"-DPython_INCLUDE_DIR={sysconfig.get_paths()['include']}"], check=True)
-        subprocess.run(["cmake", "--build", str(build), "--target", TOOL, "-j", str(os.cpu_count() or 2)],
-                       check=True)
+
+    def built() -> Path | None:
         # the build tree also holds a CMake folder tools/llama-speculative-simple/: take the executable file
-        exe = next((p for p in build.rglob(TOOL) if p.is_file() and os.access(p, os.X_OK)), None)
-        if exe is None:
-            sys.exit(f"bench_parity: the build of {TOOL} in {build} produced no executable")
+        return next((p for p in build.rglob(TOOL) if p.is_file() and os.access(p, os.X_OK)), None)
+
+    # always through the build (incremental, seconds when up to date), so a changed patch series is picked up
+    print(f"bench_parity: building {TOOL} in {build} (the first time: a few minutes)", file=sys.stderr)
+    subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                    f"-DPYLLAMA_DSPARK_TOOLS={TOOL}", f"-DPython_EXECUTABLE={sys.executable}",
+                    f"-DPython_INCLUDE_DIR={sysconfig.get_paths()['include']}"], check=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", TOOL, "-j", str(os.cpu_count() or 2)], check=True)
+    exe = built()
+    if exe is None:
+        sys.exit(f"bench_parity: the build of {TOOL} in {build} produced no executable")
     return exe
 
 
