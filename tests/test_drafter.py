@@ -10,7 +10,7 @@ import pytest
 import dspark_reference as ref
 from pyllama_dspark import Batch, Context, Model
 from pyllama_dspark.convert.converter import convert
-from pyllama_dspark.drafter import DrafterError, DSparkDrafter
+from pyllama_dspark.drafter import DrafterError, DSparkDrafter, PromptLookupDrafter
 from pyllama_dspark.testing import TinySpec, load_tiny_weights, tiny_model, write_tiny_dspark_checkpoint
 
 TARGET = TinySpec(arch="llama", n_layer=3)
@@ -170,3 +170,34 @@ def test_sampled_drafts_chain_the_markov_bias_through_the_drawn_tokens(target_pa
             np.testing.assert_allclose(draft.probs, q, atol=1e-3)
             differs |= draft.tokens[:-1].tolist() != expected.tokens[:-1]
     assert differs, "no draw left the greedy chain: the test did not exercise the re-chaining"
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    d = PromptLookupDrafter(ngram_max=2, block_size=3)
+    d.observe(np.array([5, 6, 7, 8, 5, 6, 9, 1, 2]), None, 0)
+    # the text is tokens[:pos] + [anchor] (later observed tokens are not context): [5, 6, 7, 8, 5, 6];
+    # its suffix (5, 6) occurred at 0, followed by 7, 8, 5
+    assert d.propose(6, 5, 3).tokens.tolist() == [7, 8, 5]
+    assert d.propose(6, 7, 3).tokens.tolist() == [9, 6]  # [.., 5, 6, 9, 6]: (9, 6) none; (6,) latest at 5
+    assert d.propose(7, 2, 3).tokens.tolist() == []  # (6, 7) and (7,) occur nowhere earlier in [5, 6, 7]
+    d.observe(np.array([7]), None, 3)  # a later observe at pos 3 replaces what followed
+    assert d.propose(5, 4, 2).tokens.tolist() == [6, 7]  # [5, 6, 7, 7, 5]: (7, 5) none, (5,) at 0 -> 6, 7
+    d.reset()
+    assert d.propose(1, 0, 2).tokens.tolist() == []
+    with pytest.raises(ValueError):
+        PromptLookupDrafter(ngram_min=3, ngram_max=2)
+    with pytest.raises(ValueError):
+        d.observe(np.array([1]), None, 5)  # a gap in the positions
+
+
+def test_prompt_lookup_in_the_loop_matches_plain_greedy(target_path):
+    from pyllama_dspark import Speculator, generate
+
+    prompt = [3, 4, 5, 6] * 6
+    with Model(target_path) as model:
+        ctx = Context(model, n_ctx=256)
+        expected = generate(ctx, prompt, max_tokens=48, stop_at_eog=False).tokens
+        for n_draft in (None, 3):
+            spec = Speculator(ctx, PromptLookupDrafter(block_size=4), n_draft=n_draft)
+            steps = list(spec.run(np.array(prompt, dtype=np.int32), max_tokens=48, stop_at_eog=False))
+            assert [t for s in steps for t in s.tokens] == expected
