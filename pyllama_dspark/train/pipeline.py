@@ -285,12 +285,18 @@ def _resolve_steps(settings: TrainSettings, work: WorkDir, module, records) -> i
 
 def evaluate(target: Path, drafter: Path, prompts: list[list[int]], *, n_predict: int,
              n_threads: int | None = None) -> dict:
-    """Plain vs speculative greedy decoding of held-out prompts with the exported drafter (``bench``'s loop)."""
+    """Plain vs speculative greedy decoding of held-out prompts with the exported drafter (``bench``'s loop).
+
+    Drafts a whole block every round (a fixed draft length): the figures describe the drafter, not the
+    cost-aware loop's choices, which depend on the machine's timings.
+    """
     from ..bench import BenchSummary, run_bench
+    from ..drafter import DSparkDrafter
 
     with Model(target) as model:
         items = [{"tokens": p} for p in prompts]
         summary = BenchSummary(list(run_bench(model, drafter, items, n_predict=n_predict, n_threads=n_threads,
+                                              n_draft=DSparkDrafter.peek_block_size(drafter),
                                               n_ctx=max(len(p) for p in prompts) + n_predict + 16)))
     d = summary.as_dict()
     width = max(len(r["reached_per_pos"]) for r in d["per_prompt"])
