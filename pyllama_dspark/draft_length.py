@@ -56,11 +56,13 @@ class CostTable:
         self._refit_every, self._since_fit = int(refit_every), 0
         self._fits = {name: self._fill(name) for name in self._measured}
 
-    def observe(self, k: int, t_draft: float, t_verify: float) -> None:
-        """One round's measured parts: k drafts (t_draft is 0 for k = 0) and a verify of k + 1 rows."""
+    def observe(self, k: int, t_draft: float, t_verify: float, k_drafted: int | None = None) -> None:
+        """One round's measured parts: a draft of k_drafted slots (default k; t_draft is 0 for none) and a
+        verify of k + 1 rows (k <= k_drafted: the drafts kept after the confidence cut)."""
+        k_drafted = k if k_drafted is None else k_drafted
         new = False
-        if k > 0:
-            new |= self._update("draft", k, t_draft)
+        if k_drafted > 0:
+            new |= self._update("draft", k_drafted, t_draft)
         new |= self._update("verify", k + 1, t_verify)
         self._since_fit += 1
         if new or self._since_fit >= self._refit_every:
@@ -114,6 +116,23 @@ class CostTable:
         return np.where(np.isnan(table), estimate, table)
 
 
+class StaticCostTable(CostTable):
+    """Costs given, not measured: ``verify[n]`` for n = 1..k_max + 1 rows and ``draft[k]`` for k = 1..k_max
+    slots (seconds, or any common unit); ``observe`` changes nothing."""
+
+    def __init__(self, verify: dict[int, float], draft: dict[int, float]):
+        n_max = max(max(verify) - 1, max(draft, default=0))
+        super().__init__(n_max)
+        for n, seconds in verify.items():
+            self._measured["verify"][n] = seconds
+        for k, seconds in draft.items():
+            self._measured["draft"][k] = seconds
+        self._fits = {name: self._fill(name) for name in self._measured}
+
+    def observe(self, k: int, t_draft: float, t_verify: float, k_drafted: int | None = None) -> None:
+        return None
+
+
 @dataclass
 class DraftLengthChooser:
     """Picks each round's draft length; see the module docstring.
@@ -125,10 +144,12 @@ class DraftLengthChooser:
         alpha: weight of the newest round in the running acceptance averages.
         probe_every: plain rounds between probes of one draft token once k = 0 was chosen (doubles, up to
             64, after each rejected probe while a slow average of slot 0's acceptance (``slow_alpha``) is
-            below the break-even; back to probe_every once drafting pays, so a drafter near break-even is not written off by a
-            run of bad luck); also,
-            every probe_every-th drafting round drafts one slot more than planned, so the acceptance of
-            the slot after the plan stays measured.
+            below the break-even; back to probe_every once drafting pays); also, every probe_every-th
+            drafting round drafts one slot more than planned, so the acceptance of the slot after the plan
+            stays measured.
+
+    ``costs`` may be replaced by a ``StaticCostTable`` (known costs, not measured): decisions then depend on
+    acceptance alone, which makes them reproducible.
     """
 
     k_max: int
@@ -185,9 +206,11 @@ class DraftLengthChooser:
         rates = expected_tokens_by_k(conf)[1:] / (max(t_draft, 0.0) + verify)
         return 1 + int(np.argmax(rates))
 
-    def observe_round(self, k: int, n_accepted: int, t_draft: float, t_verify: float) -> None:
-        """What the round did: k verified drafts, n_accepted of them accepted, and its measured parts."""
-        self.costs.observe(k, t_draft, t_verify)
+    def observe_round(self, k: int, n_accepted: int, t_draft: float, t_verify: float,
+                      k_drafted: int | None = None) -> None:
+        """What the round did: k verified drafts (of k_drafted drafted, default k), n_accepted of them accepted,
+        and its measured parts."""
+        self.costs.observe(k, t_draft, t_verify, k_drafted)
         reached = min(k, n_accepted + 1, self.k_max)  # slot i was reached; accepted iff i < n_accepted
         for i in range(reached):
             self.accept[i] += self.alpha * (float(i < n_accepted) - self.accept[i])

@@ -178,6 +178,7 @@ class Speculator:
         t0 = time.perf_counter()
         draft = drafter.propose(anchor, pos, n_max, sampler=sampler) if n_max > 0 else Draft(np.zeros(0, np.int32))
         drafts = np.asarray(draft.tokens[:n_max], dtype=np.int32)
+        n_drafted = len(drafts)  # what the draft time paid for, before any cut
         t1 = time.perf_counter()
         if self.draft_length is not None:
             drafts = drafts[: self.draft_length.cut(draft.confidence, len(drafts), t1 - t0)]
@@ -198,7 +199,7 @@ class Speculator:
         t2 = time.perf_counter()
         stats.observe_round(k, n)
         if self.draft_length is not None:
-            self.draft_length.observe_round(k, n, t1 - t0, t2 - t1)
+            self.draft_length.observe_round(k, n, t1 - t0, t2 - t1, k_drafted=n_drafted)
         stats.t_draft += t1 - t0
         stats.t_verify += t2 - t1
         committed = [int(t) for t in drafts[:n]] + [token]

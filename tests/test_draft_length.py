@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pyllama_dspark import Context, DSparkDrafter, Model, Speculator, generate
-from pyllama_dspark.draft_length import CostTable, DraftLengthChooser, expected_tokens, expected_tokens_by_k
+from pyllama_dspark.draft_length import (CostTable, DraftLengthChooser, StaticCostTable, expected_tokens,
+                                        expected_tokens_by_k)
 from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
 
 from drafters import oracle
@@ -95,7 +96,19 @@ def test_bad_k_max_is_refused():
         DraftLengthChooser(-1)
 
 
+def test_static_costs_are_used_as_given_and_never_change():
+    table = StaticCostTable(verify={1: 8.0, 2: 9.2, 3: 10.9, 5: 14.0}, draft={1: 2.7, 4: 3.0})
+    assert table.verify(2) == 9.2 and table.draft(1) == 2.7 and table.draft(0) == 0.0
+    assert 10.9 < table.verify(4) < 14.0  # filled in between the given ones
+    table.observe(1, 100.0, 100.0)
+    assert table.verify(2) == 9.2 and table.draft(1) == 2.7
+
+
 # --- in the loop -----------------------------------------------------------------------------
+
+# SmolLM2 Q4_1 on 2 threads (ms): a verify of n rows and a DSpark draft of k slots
+SMOLLM2_LIKE_COSTS = StaticCostTable(verify={1: 8.0, 2: 9.2, 3: 10.9, 4: 12.5, 5: 14.2},
+                                     draft={1: 2.7, 2: 2.8, 3: 2.9, 4: 3.0})
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +132,7 @@ def test_cost_aware_loop_with_a_random_drafter_settles_at_plain_steps_and_matche
         expected = generate(ctx, prompt, max_tokens=96, stop_at_eog=False).tokens
         spec = Speculator(ctx, DSparkDrafter(random_drafter, ctx))
         assert spec.draft_length is not None  # cost-aware by default
+        spec.draft_length.costs = SMOLLM2_LIKE_COSTS  # timings of a tiny model on a busy machine are noise
         steps = list(spec.run(np.array(prompt, dtype=np.int32), max_tokens=96, stop_at_eog=False))
     assert [t for s in steps for t in s.tokens] == expected
     drafted = [s.n_draft for s in steps[1:]]
@@ -131,6 +145,7 @@ def test_cost_aware_loop_with_an_oracle_drafter_drafts_long_blocks(target):
         ctx = Context(model, n_ctx=256)
         expected = prompt + generate(ctx, prompt, max_tokens=96, stop_at_eog=False).tokens
         spec = Speculator(ctx, oracle(expected, model.n_vocab, block_size=4))
+        spec.draft_length.costs = SMOLLM2_LIKE_COSTS
         steps = list(spec.run(np.array(prompt, dtype=np.int32), max_tokens=96, stop_at_eog=False))
     assert [t for s in steps for t in s.tokens] == expected[len(prompt):]
     drafted = [s.n_draft for s in steps[1:-1]]

@@ -383,7 +383,8 @@ def test_speculative_end_of_context_equals_plain(pair, drafter_kind):
             drafter = DSparkDrafter(drafter_path, ctx)
         else:
             drafter = drafters.oracle(prompt + plain.tokens, model.n_vocab, block_size=BLOCK)
-        result = Speculator(ctx, drafter).generate(prompt, max_tokens=1000, stop_at_eog=False)
+        # a fixed draft length: full blocks are drafted up to the last positions of the context
+        result = Speculator(ctx, drafter, n_draft=BLOCK).generate(prompt, max_tokens=1000, stop_at_eog=False)
         assert result.tokens == plain.tokens
         assert result.stop_reason == "n_ctx"
         assert result.stats.rounds > 0
