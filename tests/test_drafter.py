@@ -141,11 +141,12 @@ def test_capture_ids_are_gguf_taps_minus_one(target_path, make_drafter):
 
 def test_incompatible_target_is_refused(make_drafter, model_dir):
     path = make_drafter(block_size=4, markov_rank=8)
-    for other in (TinySpec(arch="llama", n_layer=3, n_embd=128), TinySpec(arch="llama", n_layer=3, n_vocab=300),
-                  TinySpec(arch="llama", n_layer=1)):
+    for other, message in ((TinySpec(arch="llama", n_layer=3, n_embd=128), "fc expects feature rows"),
+                           (TinySpec(arch="llama", n_layer=3, n_vocab=300), "vocabulary size 256 differs"),
+                           (TinySpec(arch="llama", n_layer=1), "outside the target's 1..1")):
         with Model(tiny_model(other, cache_dir=model_dir)) as model:
             ctx = Context(model, n_ctx=64)
-            with pytest.raises(DrafterError):
+            with pytest.raises(DrafterError, match=message):
                 DSparkDrafter(path, ctx)
     with Model(tiny_model(TARGET, cache_dir=model_dir)) as model:
         ctx = Context(model, n_ctx=64)

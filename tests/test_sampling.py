@@ -37,3 +37,26 @@ def test_draws_follow_the_distribution():
 def test_bad_params(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_scales_the_logits_before_the_softmax(temperature):
+    """Expected values written out by hand, not through the function under test."""
+    logits = np.array([1.0, 2.0, 0.5, -1.0])
+    e = np.exp(logits / temperature)
+    np.testing.assert_allclose(probabilities(logits, SamplingParams(temperature=temperature)), e / e.sum(),
+                               rtol=1e-12)
+
+
+def test_top_k_and_top_p_at_a_temperature_other_than_one():
+    logits = np.array([3.0, 1.0, 2.0, 0.0])
+    # top-k 2 at T = 0.5: tokens 0 and 2, weights e^6 and e^4
+    p = probabilities(logits, SamplingParams(temperature=0.5, top_k=2))
+    w = np.array([np.exp(6.0), 0.0, np.exp(4.0), 0.0])
+    np.testing.assert_allclose(p, w / w.sum(), rtol=1e-12)
+    # top-p 0.8 at T = 2: softmax(logits / 2) = [.4551, .1674, .2760, .1015]; .4551 + .2760 = .7311 < 0.8, so
+    # token 1 (.1674) is kept too and token 3 is cut
+    full = np.exp(logits / 2.0) / np.exp(logits / 2.0).sum()
+    p = probabilities(logits, SamplingParams(temperature=2.0, top_p=0.8))
+    keep = np.array([1.0, 1.0, 1.0, 0.0])
+    np.testing.assert_allclose(p, full * keep / (full * keep).sum(), rtol=1e-12)

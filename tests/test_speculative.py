@@ -176,3 +176,18 @@ def test_stop_strings_across_block_boundaries_and_streaming(make_model):
         streamed = "".join(e.text for e in spec.generate(prompt, max_tokens=40, stop_at_eog=False, stop=[stop],
                                                          stream=True))
         assert streamed == plain.text[:cut]
+
+
+def test_statistics_have_the_literal_values_of_a_known_sequence_of_rounds():
+    from pyllama_dspark.stats import SpecStats
+
+    stats = SpecStats()
+    for drafted, accepted in [(4, 4), (4, 0), (4, 2), (2, 1), (0, 0)]:
+        stats.observe_round(drafted, accepted)
+    assert (stats.rounds, stats.plain_steps, stats.drafted, stats.accepted) == (4, 1, 14, 7)
+    assert stats.accept_rate == 0.5 and stats.tau == 2.75  # 7 / 4 + 1
+    # position i reached iff i <= a + 1 (and i <= drafted): reached [4, 3, 2, 1], accepted [3, 2, 1, 1]
+    assert stats.reached_per_pos == [4, 3, 2, 1] and stats.accepted_per_pos == [3, 2, 1, 1]
+    assert stats.per_position_rate == [0.75, 2 / 3, 0.5, 1.0]
+    with pytest.raises(ValueError):
+        stats.observe_round(2, 3)
