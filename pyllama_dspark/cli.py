@@ -257,6 +257,7 @@ def _cmd_demo(args) -> int:
 
 def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
     """Speculative (streamed), then plain, on the same chat prompt: speeds, speedup, identical or not."""
+    from .bench import first_mismatch
     from .context import Context
     from .drafter import DSparkDrafter
     from .generate import generate
@@ -287,8 +288,7 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
         plain = generate(plain_ctx, prompt, **knobs)
     same = tokens == plain.tokens
     speedup = stats.decode_tok_s / plain.decode_tok_s if plain.decode_tok_s else 0.0
-    first_diff = next((i for i, (a, b) in enumerate(zip(tokens, plain.tokens)) if a != b),
-                      min(len(tokens), len(plain.tokens)))
+    first_diff = first_mismatch(plain.tokens, tokens)
     print(f"plain        = {plain.decode_tok_s:.2f} tok/s ({len(plain.tokens)} tokens, decode)\n"
           f"speculative  = {stats.decode_tok_s:.2f} tok/s ({len(tokens)} tokens, decode, tau {stats.tau:.2f})\n"
           f"speedup      = {speedup:.2f}x\n"

@@ -16,8 +16,9 @@ Two decisions per round, both pure functions of the state below:
 Costs are seconds measured on the running machine by the loop (``observe_round``), kept current with
 an exponential moving average per row count; row counts not measured yet are filled from a straight
 line through the measured ones (cost grows about linearly with rows at these sizes). A chooser that
-settled on k = 0 still probes one draft token now and then (every ``probe_every`` plain rounds,
-doubling after each probe that fails), so a drafter that becomes useful later in the text is noticed.
+settled on k = 0 still probes one draft token now and then (every ``probe_every`` plain rounds, the gap
+doubling after rejected probes while drafting keeps not paying), so a drafter that becomes useful later
+in the text is noticed.
 """
 
 from __future__ import annotations
@@ -70,18 +71,15 @@ class CostTable:
             self._since_fit = 0
 
     def _estimates(self, name: str) -> np.ndarray:
+        """The current measurement where there is one, the last fit elsewhere."""
         measured = self._measured[name]
         return np.where(np.isnan(measured), self._fits[name], measured)
 
     def verify(self, n: int) -> float:
-        value = self._measured["verify"][n]
-        return float(self._fits["verify"][n] if np.isnan(value) else value)
+        return float(self._estimates("verify")[n])
 
     def draft(self, k: int) -> float:
-        if k == 0:
-            return 0.0
-        value = self._measured["draft"][k]
-        return float(self._fits["draft"][k] if np.isnan(value) else value)
+        return 0.0 if k == 0 else float(self._estimates("draft")[k])
 
     def round_seconds(self, k_max: int) -> np.ndarray:
         """draft(k) + verify(k + 1) for k = 0..k_max."""
@@ -99,6 +97,7 @@ class CostTable:
         return first
 
     def _fill(self, name: str) -> np.ndarray:
+        """Estimates for every row count from the measured ones (read only where nothing is measured)."""
         table, (base, per_row) = self._measured[name], self._prior[name]
         rows = np.arange(len(table), dtype=np.float64)
         shape = base + per_row * (rows - 1)  # the prior, relative to a one-row verify
@@ -113,7 +112,7 @@ class CostTable:
         else:
             v1 = self._measured["verify"][1]
             estimate = shape * (1.0 if np.isnan(v1) else v1)
-        return np.where(np.isnan(table), estimate, table)
+        return estimate
 
 
 class StaticCostTable(CostTable):
@@ -180,12 +179,15 @@ class DraftLengthChooser:
 
     def plan(self, k_max: int | None = None) -> int:
         """Slots to draft this round (0 = a plain decode step)."""
-        best = self.best(k_max)
-        if best > 0 or (k_max is not None and k_max <= 0) or self.k_max == 0:
+        cap = self.k_max if k_max is None else min(int(k_max), self.k_max)
+        if cap <= 0:  # nothing may be drafted (end of the context or of max_tokens): no decision to make
+            return 0
+        best = self.best(cap)
+        if best > 0:
             self._plain_rounds = 0
             self._drafted_rounds += 1
             if self._drafted_rounds % self.probe_every == 0:  # now and then one slot further, so the
-                best = min(best + 1, self.k_max if k_max is None else k_max)  # slot after the plan is measured
+                best = min(best + 1, cap)  # slot after the plan is measured
             return best
         self._plain_rounds += 1
         if self._plain_rounds >= self._probe_gap:  # now and then, check whether drafting pays again

@@ -50,15 +50,8 @@ def cpu_name() -> str:
 def summarise(name: str, summary: BenchSummary) -> dict:
     d = summary.as_dict()
     rs = summary.results
-    reached = accepted = None
-    for r in rs:
-        a, b = r.stats.accepted_per_pos, r.stats.reached_per_pos
-        if reached is None:
-            reached, accepted = [0] * 16, [0] * 16
-        for i, (x, y) in enumerate(zip(a, b)):
-            accepted[i] += x
-            reached[i] += y
-    n_pos = max((i + 1 for i, v in enumerate(reached or []) if v), default=0)
+    accepted, reached = summary.per_position_counts()
+    n_pos = max((i + 1 for i, v in enumerate(reached) if v), default=0)  # up to the last position reached
     t_decode = sum(r.stats.t_decode for r in rs)
     t_draft = sum(r.stats.t_draft for r in rs)
     t_verify = sum(r.stats.t_verify for r in rs)
@@ -70,7 +63,7 @@ def summarise(name: str, summary: BenchSummary) -> dict:
     free_drafter = d["n_predicted"] * plain_token / t_verify if t_verify else 0.0
     return {
         "config": name, "overall": summary.overall_line(), **{k: v for k, v in d.items() if k != "per_prompt"},
-        "per_position": [accepted[i] / reached[i] for i in range(n_pos)],
+        "per_position": [float(accepted[i] / reached[i]) for i in range(n_pos)],
         "speedup_end_to_end": (d["n_predicted"] / sp_total) / (ar_tokens / ar_total) if sp_total and ar_total else 0.0,
         "share_draft": t_draft / t_decode if t_decode else 0.0,
         "share_verify": t_verify / t_decode if t_decode else 0.0,

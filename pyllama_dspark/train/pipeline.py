@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from ..model import Model
 from .torch_import import torch  # noqa: F401  (fails early, with the install command, when torch is missing)
 from . import data as data_phase
@@ -299,11 +297,7 @@ def evaluate(target: Path, drafter: Path, prompts: list[list[int]], *, n_predict
                                               n_draft=DSparkDrafter.peek_block_size(drafter),
                                               n_ctx=max(len(p) for p in prompts) + n_predict + 16)))
     d = summary.as_dict()
-    width = max(len(r["reached_per_pos"]) for r in d["per_prompt"])
-    reached, accepted = np.zeros(width), np.zeros(width)
-    for r in d["per_prompt"]:  # a prompt whose drafts were shorter reached fewer positions
-        reached[: len(r["reached_per_pos"])] += r["reached_per_pos"]
-        accepted[: len(r["accepted_per_pos"])] += r["accepted_per_pos"]
+    accepted, reached = summary.per_position_counts()
     per_position = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
     return {k: d[k] for k in ("prompts", "n_predicted", "rounds", "drafted", "accepted", "accept", "tau", "ar_tok_s",
                               "sp_tok_s", "speedup", "token_match")} | {"per_position": per_position}
