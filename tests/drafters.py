@@ -12,23 +12,27 @@ from pyllama_dspark.drafter import Draft
 
 
 class ScriptedDrafter:
-    """Proposes expected[pos+1 ...] with the first ``right`` tokens correct and the rest wrong."""
+    """Proposes expected[pos+1 ...] with the first ``right`` tokens correct and the rest wrong.
 
-    capture_layers: list[int] = []
+    With ``capture_layers`` the loop captures those target layers and hands their rows to observe;
+    every observe call is recorded in ``observed`` as (pos0, tokens, a copy of the rows or None).
+    """
 
-    def __init__(self, expected, *, n_vocab: int, block_size: int = 4, right: int | None = None):
+    def __init__(self, expected, *, n_vocab: int, block_size: int = 4, right: int | None = None,
+                 capture_layers=()):
         self.expected = list(expected)
         self.n_vocab = n_vocab
         self.block_size = block_size
         self.right = block_size if right is None else right
-        self.observed: list[tuple[int, int]] = []  # (pos0, n) of each observe call
+        self.capture_layers = list(capture_layers)
+        self.observed: list[tuple[int, list[int], np.ndarray | None]] = []
 
     def reset(self) -> None:
         self.observed.clear()
 
     def observe(self, tokens, rows, pos0: int) -> None:
-        assert rows is None
-        self.observed.append((pos0, len(tokens)))
+        assert (rows is None) == (not self.capture_layers), "rows exactly when capture layers are asked for"
+        self.observed.append((pos0, [int(t) for t in tokens], None if rows is None else np.array(rows)))
 
     def propose(self, anchor: int, pos: int, n_max: int, sampler=None) -> Draft:
         assert anchor == self.expected[pos], "the anchor must be the committed token at pos"

@@ -182,6 +182,65 @@ def test_round_trip_keys_tensors_and_values(ckpt, target, tmp_path):
     assert result.omitted == {"token_embd.weight", "output.weight"}
 
 
+# Written here from the DSpark/DFlash module layout and llama.cpp's dflash tensor names, not read
+# from pyllama_dspark.convert, so a swapped entry in the converter's own table fails this test.
+HF_TO_GGUF_GLOBAL = {
+    "model.fc.weight": "fc.weight",
+    "model.hidden_norm.weight": "enc.output_norm.weight",
+    "model.norm.weight": "output_norm.weight",
+    "model.markov_head.markov_w1.weight": "markov_w1.weight",
+    "model.markov_head.markov_w2.weight": "markov_w2.weight",
+    "model.confidence_head.proj.weight": "conf_proj.weight",
+    "model.confidence_head.proj.bias": "conf_proj.bias",
+    "model.embed_tokens.weight": "token_embd.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_TO_GGUF_LAYER = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+
+
+def _independent_gguf_name(hf_name: str) -> str:
+    if hf_name in HF_TO_GGUF_GLOBAL:
+        return HF_TO_GGUF_GLOBAL[hf_name]
+    _, _, il, rest = hf_name.split(".", 3)  # model.layers.<il>.<rest>
+    return f"blk.{il}.{HF_TO_GGUF_LAYER[rest]}"
+
+
+@pytest.mark.parametrize("outtype", ["f32", "bf16"])
+def test_every_tensor_matches_its_hf_source_by_an_independent_name_table(ckpt, target, tmp_path, outtype):
+    folder = ckpt(n_layer=2)
+    source = checkpoint_values(folder)
+    assert len(source) == len(HF_TO_GGUF_GLOBAL) + 2 * len(HF_TO_GGUF_LAYER)
+    result = convert(folder, tmp_path / "d.gguf", outtype=outtype, target_gguf=target, keep_shared_tensors=True)
+    _, tensors = read_gguf(result.path)
+    expected = {_independent_gguf_name(hf): values for hf, values in source.items()}
+    assert sorted(tensors) == sorted(expected)
+    for name, values in expected.items():
+        shape, _, data = tensors[name]
+        assert shape == values.shape, name
+        # the checkpoint is bf16, so f32 and bf16 outputs both hold its values exactly
+        np.testing.assert_array_equal(data, values, err_msg=f"{name} does not hold the values of its HF tensor")
+    # no two tensors of the same shape may share values: a swap of equals would go unseen
+    by_shape: dict = {}
+    for name, values in expected.items():
+        by_shape.setdefault(values.shape, []).append((name, values))
+    for group in by_shape.values():
+        for i, (a, va) in enumerate(group):
+            for b, vb in group[i + 1:]:
+                assert not np.array_equal(va, vb), f"the fixture gives {a} and {b} equal values"
+
+
 @pytest.mark.parametrize("style", kit.DSPARK_CONFIG_STYLES)
 def test_config_styles_give_the_same_taps(ckpt, target, tmp_path, style):
     kvs, tensors = read_gguf(convert(ckpt(config_style=style), tmp_path / "d.gguf", target_gguf=target).path)
