@@ -5,10 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllama_dspark import Context, Model
+from pyllama_dspark import Batch, Context, Model
+from pyllama_dspark.convert.converter import convert
+from pyllama_dspark.drafter import DSparkDrafter
 from pyllama_dspark.drafter import Draft
 from pyllama_dspark.sampling import Sampler, SamplingParams, probabilities
 from pyllama_dspark.speculative import Speculator
+from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
 from pyllama_dspark.verify import accept_greedy, accept_stochastic
 
 
@@ -99,10 +102,166 @@ def test_speculative_sampling_follows_the_target(make_model):
 
 
 def _logits_after(ctx, tokens):
-    from pyllama_dspark import Batch
-
     ctx.clear()
     batch = Batch(len(tokens))
     batch.add_tokens(tokens, 0)
     ctx.decode(batch)
     return ctx.logits(-1).astype(np.float64)
+
+
+# --------------------------------------------------------------------------
+# end to end: the joint distribution of generated tokens 2 and 3 (0-based)
+#
+# With n_draft = 2 the first round drafts tokens 1 and 2; token 2 is its second slot (or a correction there)
+# and token 3 its bonus token (or a later round's first slot), so every kind of sampled position shows up.
+
+N_TOKENS = 4
+E2E_TARGET = TinySpec(arch="llama", n_layer=3, n_vocab=32)
+E2E_PROMPT = [3, 14, 15, 9]
+
+
+def reference_probs(logits, temperature, top_k=0, top_p=1.0):
+    """softmax(logits / T) over the top_k largest logits, cut to the smallest head reaching top_p.
+    Written here, independently of sampling.probabilities."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    order = np.argsort(-z, kind="stable")[: top_k or None]
+    w = np.exp(z[order] - z[order[0]])
+    w /= w.sum()
+    if top_p < 1.0:
+        n_keep = next(i + 1 for i, c in enumerate(np.cumsum(w)) if c >= top_p)
+        order, w = order[:n_keep], w[:n_keep] / w[:n_keep].sum()
+    out = np.zeros(len(z))
+    out[order] = w
+    return out
+
+
+def exact_conditionals(ctx, prompt, sampling):
+    """generated prefix (tuple) -> the target's next-token distribution, for every reachable prefix
+    shorter than N_TOKENS (plain decodes of prompt + prefix)."""
+    table = {}
+
+    def walk(prefix):
+        p = reference_probs(_logits_after(ctx, prompt + list(prefix)), **sampling)
+        table[prefix] = p
+        if len(prefix) + 1 < N_TOKENS:
+            for t in np.flatnonzero(p):
+                walk(prefix + (int(t),))
+
+    walk(())
+    return table
+
+
+def exact_joint_2_3(table) -> dict:
+    joint: dict = {}
+
+    def walk(prefix, prob):
+        if len(prefix) == N_TOKENS:
+            joint[prefix[2:]] = joint.get(prefix[2:], 0.0) + prob
+            return
+        p = table[prefix]
+        for t in np.flatnonzero(p):
+            walk(prefix + (int(t),), prob * p[t])
+
+    walk((), 1.0)
+    return joint
+
+
+def pooled_chi_square(counts: dict, expected: dict, n: int) -> tuple[float, int]:
+    """Chi-square over cells with >= 5 expected draws, the rest pooled into one cell: (statistic, dof);
+    infinite when a pair outside the expected support was drawn."""
+    if not set(counts) <= set(expected):
+        return float("inf"), 0
+    big = [k for k, v in expected.items() if v * n >= 5]
+    small = [k for k in expected if k not in big]
+    observed = [counts.get(k, 0) for k in big] + ([sum(counts.get(k, 0) for k in small)] if small else [])
+    want = [expected[k] * n for k in big] + ([sum(expected[k] for k in small) * n] if small else [])
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, want))
+    return stat, len(want) - 1
+
+
+class NoisyOracleDrafter:
+    """Draws each slot from q = half the target's exact next-token distribution, half uniform: its drafts
+    are accepted often enough to reach the second slot and the bonus token, and rejected often too."""
+
+    capture_layers: list[int] = []
+    block_size = 2
+
+    def __init__(self, table, prompt_len, n_vocab):
+        self.table, self.prompt_len, self.n_vocab = table, prompt_len, n_vocab
+        self.text: list[int] = []
+
+    def reset(self):
+        self.text = []
+
+    def observe(self, tokens, rows, pos0):
+        self.text = self.text[:pos0] + [int(t) for t in tokens]
+
+    def propose(self, anchor, pos, n_max, sampler=None):
+        generated = (self.text[:pos] + [int(anchor)])[self.prompt_len:]
+        tokens, probs = [], []
+        for _ in range(n_max):
+            exact = self.table.get(tuple(generated), np.full(self.n_vocab, 1.0 / self.n_vocab))
+            q = 0.5 * exact + 0.5 / self.n_vocab
+            t = sampler.draw(q)
+            tokens.append(t)
+            probs.append(q)
+            generated.append(t)
+        return Draft(tokens=np.array(tokens, dtype=np.int32), probs=np.array(probs))
+
+
+def sample_pairs(ctx, drafter, sampling, n_runs, seed):
+    spec = Speculator(ctx, drafter, n_draft=2)
+    sampler = Sampler(SamplingParams(seed=seed, **sampling))
+    counts: dict = {}
+    first_rounds = np.zeros(3, int)  # how many of the first round's two drafts were accepted
+    for _ in range(n_runs):
+        steps = list(spec.run(np.array(E2E_PROMPT), max_tokens=N_TOKENS, sampler=sampler, stop_at_eog=False))
+        tokens = [t for step in steps for t in step.tokens]
+        assert len(tokens) == N_TOKENS
+        counts[tuple(tokens[2:])] = counts.get(tuple(tokens[2:]), 0) + 1
+        first_rounds[steps[1].n_accept] += 1
+    return counts, first_rounds
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.5)],
+                         ids=["T0.7-top_k4", "T1.3-top_p0.5"])
+def test_tokens_2_and_3_follow_the_targets_joint_distribution(model_dir, sampling):
+    n_runs = 4000
+    with Model(tiny_model(E2E_TARGET, cache_dir=model_dir)) as model:
+        ctx = Context(model, n_ctx=64, n_batch=16)
+        table = exact_conditionals(ctx, E2E_PROMPT, sampling)
+        expected = exact_joint_2_3(table)
+        drafter = NoisyOracleDrafter(table, len(E2E_PROMPT), model.n_vocab)
+        counts, first_rounds = sample_pairs(ctx, drafter, sampling, n_runs, seed=5)
+        untempered = exact_joint_2_3(_retempered(table, ctx, sampling))
+    # every path was taken: slot 0 rejected, slot 1 rejected, both accepted (the bonus token sampled)
+    assert (first_rounds > n_runs // 20).all(), first_rounds
+    assert set(counts) <= set(expected), f"pairs the target cannot produce: {sorted(set(counts) - set(expected))}"
+    stat, dof = pooled_chi_square(counts, expected, n_runs)
+    assert stat < chi2_critical(dof), f"tokens 2 and 3 do not follow the target: chi2 {stat:.1f}, {dof} dof"
+    # the test has teeth: the same counts against the untempered (T = 1) target are rejected
+    assert pooled_chi_square(counts, untempered, n_runs)[0] > chi2_critical(dof)
+
+
+def _retempered(table, ctx, sampling):
+    other = {**sampling, "temperature": 1.0}
+    return {prefix: reference_probs(_logits_after(ctx, E2E_PROMPT + list(prefix)), **other) for prefix in table}
+
+
+def test_tokens_2_and_3_follow_the_target_with_the_dspark_drafters_probabilities(model_dir, tmp_path):
+    sampling = dict(temperature=0.8, top_k=3)
+    n_runs = 3000
+    target = tiny_model(E2E_TARGET, cache_dir=model_dir)
+    ck = write_tiny_dspark_checkpoint(tmp_path / "ck", target=E2E_TARGET, block_size=2, dtype="f32",
+                                      target_cache_dir=model_dir)
+    drafter_path = convert(ck, tmp_path / "drafter.gguf", outtype="f32", target_gguf=target).path
+    with Model(target) as model:
+        ctx = Context(model, n_ctx=64, n_batch=16)
+        expected = exact_joint_2_3(exact_conditionals(ctx, E2E_PROMPT, sampling))
+        drafter = DSparkDrafter(drafter_path, ctx)
+        counts, first_rounds = sample_pairs(ctx, drafter, sampling, n_runs, seed=9)
+        drafter.close()
+    assert first_rounds[1:].sum() > n_runs // 50, first_rounds  # the drafter's q was accepted at times
+    assert set(counts) <= set(expected), f"pairs the target cannot produce: {sorted(set(counts) - set(expected))}"
+    stat, dof = pooled_chi_square(counts, expected, n_runs)
+    assert stat < chi2_critical(dof), f"tokens 2 and 3 do not follow the target: chi2 {stat:.1f}, {dof} dof"
