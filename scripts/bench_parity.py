@@ -73,9 +73,11 @@ def run_cpp(exe: Path, args, prompt: str) -> tuple[bytes, float]:
     return proc.stdout, int(match.group(1)) / float(match.group(2))
 
 
-def run_ours(model: Model, args, prompt: str) -> tuple[bytes, bytes, float]:
-    """(prompt pieces, generated pieces, decode tok/s) of our loop; pieces render special tokens like
-    upstream's common_token_to_piece."""
+def run_ours(model: Model, args, prompt: str) -> tuple[bytes, list[bytes], bool, float]:
+    """(prompt pieces, one piece per generated token, stopped at end of generation, decode tok/s) of our
+    loop; pieces render special tokens like upstream's common_token_to_piece. It generates n_draft + 2
+    tokens past n_predict, so that it covers upstream's overshoot (upstream stops after the round that
+    crosses n_predict)."""
     ctx = Context(model, n_ctx=args.n_ctx, n_batch=512, n_threads=args.n_threads, n_rs_seq=args.n_draft
                   if (model.is_hybrid or model.is_recurrent) else 0)
     drafter = DSparkDrafter(args.drafter, ctx, n_threads=args.n_threads)
@@ -83,13 +85,33 @@ def run_ours(model: Model, args, prompt: str) -> tuple[bytes, bytes, float]:
         spec = Speculator(ctx, drafter, n_draft=args.n_draft)
         tokens = model.tokenize(prompt, parse_special=True)
         stats = SpecStats()
-        generated = [t for step in spec.run(tokens, max_tokens=args.n_predict, stats=stats) for t in step.tokens]
+        generated = [t for step in spec.run(tokens, max_tokens=args.n_predict + args.n_draft + 2, stats=stats)
+                     for t in step.tokens]
     finally:
         drafter.close()
         ctx.close()
-    pieces = lambda ids: b"".join(model.token_to_piece(int(t), special=True) for t in ids)  # noqa: E731
-    shown = [t for t in generated if not model.is_eog(t)]
-    return pieces(tokens), pieces(shown), stats.decode_tok_s
+    piece = lambda t: model.token_to_piece(int(t), special=True)  # noqa: E731
+    shown = [piece(t) for t in generated if not model.is_eog(t)]  # upstream prints no end-of-generation piece
+    return b"".join(piece(t) for t in tokens), shown, stats.stop_reason == "eog", stats.decode_tok_s
+
+
+def tokens_spelled(text: bytes, pieces: list[bytes]) -> int | None:
+    """The m for which our first m pieces spell ``text`` exactly, or None when no prefix of ours does."""
+    spelled = b""
+    for m, piece in enumerate(pieces):
+        if spelled == text:
+            return m
+        spelled += piece
+        if not text.startswith(spelled):
+            return None
+    return len(pieces) if spelled == text else None
+
+
+def same_tokens(cpp_generated: bytes, ours: list[bytes], ours_eog: bool, n_predict: int) -> bool:
+    """Upstream's whole output is ours token for token, and covers all n_predict tokens (or both loops met
+    the same end of generation)."""
+    m = tokens_spelled(cpp_generated, ours)
+    return m is not None and (m >= n_predict or (ours_eog and m == len(ours)))
 
 
 def compare(model: Model, exe: Path, args) -> dict:
@@ -98,13 +120,14 @@ def compare(model: Model, exe: Path, args) -> dict:
         cpp_rates, ours_rates = [], []
         for _ in range(args.repeats):  # interleaved: machine noise hits both alike
             cpp_out, cpp_rate = run_cpp(exe, args, prompt)
-            prompt_bytes, ours_out, ours_rate = run_ours(model, args, prompt)
+            prompt_bytes, ours_out, ours_eog, ours_rate = run_ours(model, args, prompt)
             cpp_rates.append(cpp_rate)
             ours_rates.append(ours_rate)
-        # upstream prints "\n\n", the prompt pieces, then generated pieces (a few past -n: it stops after
-        # the round that crosses n_predict)
+        # upstream prints "\n\n", the prompt pieces, the generated pieces (a few past -n: it stops after
+        # the round that crosses n_predict), then "\n\n" twice (after the loop and after its statistics)
         cpp_generated = cpp_out.split(prompt_bytes, 1)[1] if prompt_bytes in cpp_out else cpp_out
-        rows.append({"prompt": prompt, "tokens_equal": cpp_generated.startswith(ours_out) and len(ours_out) > 0,
+        cpp_generated = cpp_generated.removesuffix(b"\n\n\n\n")
+        rows.append({"prompt": prompt, "tokens_equal": same_tokens(cpp_generated, ours_out, ours_eog, args.n_predict),
                      "cpp_tok_s": statistics.median(cpp_rates), "ours_tok_s": statistics.median(ours_rates)})
     cpp = statistics.mean(r["cpp_tok_s"] for r in rows)
     ours = statistics.mean(r["ours_tok_s"] for r in rows)
