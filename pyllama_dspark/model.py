@@ -295,7 +295,8 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, *, n_th
     """Write a copy of GGUF ``src`` with its weight matrices in ``qtype`` (llama.cpp's llama-quantize).
 
     Args:
-        qtype: one of f32, f16, q8_0, q4_0, q4_1 (norms and other 1-D tensors stay f32).
+        qtype: one of f32, f16, q8_0, q4_0, q4_1 (norms and other 1-D tensors stay f32; like
+            llama-quantize, the 4-bit types keep the output head at q8_0 or a K-quant).
 
     Raises:
         ValueError: unknown qtype; FileNotFoundError / ModelLoadError: bad src;

@@ -1,7 +1,8 @@
-"""Independent float64 numpy forward pass of the tiny ``llama`` and ``qwen3`` target models.
+"""Independent float64 numpy forward pass of the tiny ``llama``, ``qwen3`` and ``qwen35`` target models.
 
-The math mirrors the vendored llama.cpp graphs (``src/models/llama.cpp`` and
-``src/models/qwen3.cpp``) for the models ``pyllama_dspark.testing`` writes:
+The math mirrors the vendored llama.cpp graphs (``src/models/llama.cpp``,
+``src/models/qwen3.cpp`` and ``src/models/qwen35.cpp``) for the models
+``pyllama_dspark.testing`` writes:
 
 * pre-norm decoder layers: ``h = x + attn(rms_norm(x) * attn_norm)``, then
   ``out = h + ffn(rms_norm(h) * ffn_norm)``; RMSNorm is ggml's
@@ -15,6 +16,25 @@ The math mirrors the vendored llama.cpp graphs (``src/models/llama.cpp`` and
   ``(i, i + n_dims/2)``); dimensions past ``n_dims`` are left unrotated;
 * SwiGLU FFN ``down(silu(gate(x)) * up(x))``, final RMSNorm ``output_norm``, LM head
   ``output`` (or ``token_embd`` when the file has no ``output`` tensor, i.e. tied).
+
+qwen35 (Qwen3.5 hybrid) differs as follows:
+
+* the FFN input norm is ``post_attention_norm``; layer ``il`` is a Gated DeltaNet layer
+  unless ``(il + 1) % full_attention_interval == 0``;
+* full-attention layers: ``attn_q`` yields, per head, the query followed by an output gate
+  (``[q_h | gate_h]``); Q/K get per-head RMSNorm, then interleaved M-RoPE
+  (LLAMA_ROPE_TYPE_IMROPE: half-split pairs like NEOX, pair ``i`` takes its position from
+  the (t, h, w, e) component its ``rope.dimension_sections`` sector selects; a text token
+  has positions ``(p, p, p, 0)``); the attention output is multiplied by ``sigmoid(gate)``;
+* Gated DeltaNet layers: ``attn_qkv`` -> causal depthwise conv (kernel ``ssm.conv_kernel``,
+  zero initial state) -> SiLU -> split into q, k (``ssm.group_count`` heads) and v
+  (``ssm.time_step_rank`` heads); q and k are L2-normalised (``x / max(|x|, eps)``); value
+  head ``h`` reads key head ``h % n_k`` (ggml tiles, it does not repeat_interleave); per
+  head the state ``S [d_k, d_v]`` (zero at position 0) is updated by the gated delta rule
+  ``S *= exp(g); S += k (beta (v - S^T k))^T``, ``o = S^T q / sqrt(d_k)`` with
+  ``g = softplus(alpha(x) + ssm_dt.bias) * ssm_a`` and ``beta = sigmoid(ssm_beta(x))``;
+  ``o`` is RMS-normed per head with ``ssm_norm``, times ``silu(attn_gate(x))``, and
+  projected by ``ssm_out``.
 
 Weight matrices are in GGUFReader (numpy) order ``[out_features, in_features]``, so a
 projection is ``x @ W.T``. Everything is computed in float64.

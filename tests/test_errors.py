@@ -182,3 +182,36 @@ def test_too_many_recurrent_snapshots_for_the_ubatch(make_model):
         with pytest.raises(ValueError, match="n_rs_seq"):
             Context(model, n_ctx=64, n_batch=16, n_ubatch=8, n_rs_seq=7)
         Context(model, n_ctx=64, n_batch=16, n_ubatch=8, n_rs_seq=6).close()
+
+
+def test_an_empty_batch_is_refused_before_native_code(ctx):
+    with pytest.raises(InvalidBatchError, match="empty batch"):
+        ctx.decode(Batch(4))
+
+
+@pytest.mark.parametrize("code,cls,meaning", [
+    (1, "KvCacheFullError", "could not find a KV slot"),
+    (2, "DecodeAbortedError", "aborted"),
+    (-1, "InvalidBatchError", "invalid input batch"),
+    (-2, "FatalDecodeError", "fatal error"),
+    (-7, "FatalDecodeError", "fatal error"),
+])
+def test_each_decode_return_code_has_its_named_error(code, cls, meaning):
+    import pyllama_dspark
+    from pyllama_dspark.errors import DecodeError, LlamaError, decode_error
+
+    err = decode_error(code, "llama_decode", ["a native line"])
+    assert type(err) is getattr(pyllama_dspark, cls), "the class is exported under its documented name"
+    assert isinstance(err, DecodeError) and isinstance(err, LlamaError) and isinstance(err, RuntimeError)
+    assert (err.code, err.op, list(err.log_tail)) == (code, "llama_decode", ["a native line"])
+    assert f"returned {code}: {meaning}" in str(err)
+
+
+def test_errors_about_what_the_caller_passed_are_also_value_errors():
+    """The README promises these are ValueErrors too, so `except ValueError` catches bad input."""
+    from pyllama_dspark import CaptureError, DecodeAbortedError, DrafterError, FatalDecodeError, KvCacheFullError
+
+    for cls in (InvalidBatchError, DrafterError, CaptureError, ClosedHandleError):
+        assert issubclass(cls, ValueError), cls.__name__
+    for cls in (KvCacheFullError, DecodeAbortedError, FatalDecodeError, MemoryOpError):
+        assert not issubclass(cls, ValueError), f"{cls.__name__} is a runtime condition, not bad input"

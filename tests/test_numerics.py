@@ -80,3 +80,31 @@ def _x2_built() -> bool:
 
     with open("/proc/cpuinfo") as fh:
         return platform.machine() in ("x86_64", "AMD64") and " avx2" in fh.read()
+
+
+LONG = (np.arange(70) * 37 % 251 + 1).tolist()
+
+
+@pytest.mark.parametrize("qtype", ["f32", "q8_0"])
+def test_the_mode_covers_batches_up_to_64_and_prompt_sized_batches_keep_the_fast_kernels(quantized, qtype):
+    """The README's boundary: rows of a 64-token batch are bit-identical to token-by-token decoding; a
+    65-token batch is prompt-sized and goes through the fast (batch-shaped) kernels."""
+    with Model(quantized("llama", qtype)) as model:
+        ctx = Context(model, n_ctx=256, n_batch=128, n_ubatch=128)
+        batch = Batch(128)
+        single = []
+        for pos, token in enumerate(LONG[:65]):
+            batch.clear()
+            batch.add(token, pos, logits=True)
+            ctx.decode(batch)
+            single.append(ctx.logits(-1).copy())
+        rows = {}
+        for n in (64, 65):
+            ctx.clear()
+            batch.clear()
+            batch.add_tokens(LONG[:n], 0, logits="all")
+            ctx.decode(batch)
+            rows[n] = ctx.all_logits().copy()
+    np.testing.assert_array_equal(rows[64], np.array(single[:64]), err_msg=f"{qtype}: a 64-token batch")
+    if qtype == "f32":  # tinyBLAS takes f32 batches and sums in another order (q8_0 may have no faster kernel)
+        assert np.abs(rows[65] - np.array(single)).max() > 0, "a 65-token f32 batch did not use the fast kernels"
