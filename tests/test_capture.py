@@ -48,7 +48,12 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# the README's figures: measured max relative errors 4e-7 (llama, qwen3) and 2.1e-6 (qwen35, whose recurrent
+# layers chain more float32 operations); the same reference run in float32 is as far from float64
+FLOAT_REFERENCE_TOLERANCE = {"llama": 1e-6, "qwen3": 1e-6, "qwen35": 5e-6}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen35"])
 def test_rows_equal_numpy_reference(make_model, arch):
     path = make_model(arch=arch, n_layer=N_LAYER)
     expected = reference.forward(path, arch, PROMPT)
@@ -59,9 +64,12 @@ def test_rows_equal_numpy_reference(make_model, arch):
         rows = decode_rows(ctx, PROMPT, chunk=64, logits="last")
         logits = ctx.logits(-1).copy()
     n_embd = rows.shape[1] // len(ids)
+    tolerance = FLOAT_REFERENCE_TOLERANCE[arch]
     for k, layer in enumerate(ids):
-        assert rel_err(rows[:, k * n_embd:(k + 1) * n_embd], expected.layer_outputs[layer]) < 1e-4
-    assert rel_err(logits, expected.logits[-1]) < 1e-4
+        err = rel_err(rows[:, k * n_embd:(k + 1) * n_embd], expected.layer_outputs[layer])
+        assert err < tolerance, f"{arch} layer {layer}: capture {err:.1e} from the float64 reference"
+    err = rel_err(logits, expected.logits[-1])
+    assert err < tolerance, f"{arch}: logits {err:.1e} from the float64 reference"
 
 
 def test_index_convention_is_layer_outputs(make_model):
