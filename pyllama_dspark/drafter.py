@@ -205,10 +205,9 @@ class DSparkDrafter:
     @staticmethod
     def peek_block_size(path) -> int:
         """dflash.block_size of a drafter GGUF, read without loading it (0 if absent)."""
-        import gguf
+        from .gguf_header import GGUFHeader
 
-        field = gguf.GGUFReader(path).get_field("dflash.block_size")
-        return int(field.contents()) if field is not None else 0
+        return int(GGUFHeader(path).value("dflash.block_size", 0))
 
     @property
     def capture_layers(self) -> list[int]:
@@ -334,16 +333,14 @@ class DSparkDrafter:
             n_vocab = self.model.n_vocab
             self._bias = lambda prev: np.zeros((len(prev), n_vocab))
         if self._bias is None:
-            import gguf
-
-            reader = gguf.GGUFReader(self.model.path)
-            tensors = {t.name: t for t in reader.tensors}
-            if "d2t" in tensors:
+            header = self.model.gguf_header
+            if "d2t" in header.tensors:
                 raise DrafterError("sampling with a reduced draft vocabulary (d2t) is not supported; use "
                                    "temperature 0", op="DSparkDrafter.propose")
-            w1 = _dequantize(tensors["markov_w1.weight"])  # [n_vocab, R]
-            w2 = _dequantize(tensors["markov_w2.weight"])  # [n_vocab, R]
-            scale = float(_dequantize(tensors["markov_w2.scale"]).ravel()[0]) if "markov_w2.scale" in tensors else 1.0
+            w1 = header.dequantized("markov_w1.weight")  # [n_vocab, R]
+            w2 = header.dequantized("markov_w2.weight")  # [n_vocab, R]
+            scale = float(header.dequantized("markov_w2.scale").ravel()[0]) if "markov_w2.scale" in header.tensors \
+                else 1.0
             self._bias = lambda prev: (w1[prev] @ w2.T) * scale
         return self._bias
 
@@ -391,12 +388,6 @@ class PromptLookupDrafter:
         return Draft(tokens=np.zeros(0, np.int32))
 
 
-def _dequantize(tensor) -> np.ndarray:
-    import gguf
-
-    return np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float64)
-
-
 def _failer(drafter: Model):
     def fail(message: str):
         raise DrafterError(f"drafter {drafter.path.name}: {message}", op="DSparkDrafter")
@@ -404,8 +395,5 @@ def _failer(drafter: Model):
 
 
 def _tensor_shapes(model: Model) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> ggml shape (ne order) from the GGUF file."""
-    import gguf
-
-    reader = gguf.GGUFReader(model.path)
-    return {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
+    """Tensor name -> ggml shape (ne order) from the GGUF file's header."""
+    return {name: info.shape for name, info in model.gguf_header.tensors.items()}

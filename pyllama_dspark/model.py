@@ -66,7 +66,7 @@ class Model(Owned):
         self._set_ptr(ptr)
         _OPEN_MODELS.add(self)
         self._vocab = lib.llama_model_get_vocab(ptr)
-        self._gguf_reader = None
+        self._gguf_header = None
 
     def _free(self, ptr) -> None:
         lib.llama_model_free(ptr)
@@ -154,14 +154,16 @@ class Model(Owned):
 
     def gguf_value(self, key: str, default: Any = None) -> Any:
         """A GGUF key's typed value read from the file (ints, floats, strings, lists for arrays)."""
-        if self._gguf_reader is None:
-            import gguf
+        return self.gguf_header.value(key, default)
 
-            self._gguf_reader = gguf.GGUFReader(self.path)
-        field = self._gguf_reader.get_field(key)
-        if field is None:
-            return default
-        return field.contents()
+    @property
+    def gguf_header(self):
+        """The file's GGUF header (``gguf_header.GGUFHeader``: metadata, tensor table), read once."""
+        if self._gguf_header is None:
+            from .gguf_header import GGUFHeader
+
+            self._gguf_header = GGUFHeader(self.path)
+        return self._gguf_header
 
     # --- vocabulary --------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
