@@ -2,16 +2,17 @@
 
 Quick use::
 
-    from pyllama_dspark import Model, Context, DSparkDrafter, Speculator
-    with Model("target.gguf") as model:
-        ctx = Context(model, n_ctx=4096)
-        spec = Speculator(ctx, DSparkDrafter("drafter.gguf", ctx))
-        print(spec.generate("Hello", max_tokens=32).text)
+    import pyllama_dspark
+    with pyllama_dspark.load("target.gguf", drafter="drafter.gguf") as llm:
+        print(llm.generate("Hello", max_tokens=32).text)
+
+Finer control: Model, Context, DSparkDrafter and Speculator (``load`` builds them).
 """
 
 __version__ = "0.1.0"
 
 from ._lib import build_info  # noqa: E402  (loads and checks the native library)
+from .api import LLM, load  # noqa: E402
 from .batch import Batch, EmbdBatch  # noqa: E402
 from .context import Context  # noqa: E402
 from .errors import (  # noqa: E402
@@ -38,6 +39,7 @@ from .speculative import SpecResult, Speculator, Step  # noqa: E402
 from .stats import SpecStats  # noqa: E402
 
 __all__ = [
+    "load", "LLM",
     "Batch", "EmbdBatch", "Context", "Model", "quantize", "generate", "GenerationResult", "TokenEvent",
     "Speculator", "Step", "SpecResult", "SpecStats", "DraftLengthChooser",
     "DSparkDrafter", "PromptLookupDrafter", "Drafter", "Draft", "DrafterError",

@@ -14,29 +14,45 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from . import checks
 from .batch import Batch
 from .context import Context
 from .sampling import Sampler, SamplingParams
+from .stats import SpecStats
 
 
 @dataclass
 class GenerationResult:
-    """What ``generate`` returns.
+    """What ``generate`` and ``Speculator.generate`` return (one type for plain and speculative decoding).
 
     Attributes:
-        text: the generated text (prompt excluded).
+        text: the generated text (prompt excluded; cut before a stop string).
         tokens: generated token ids.
-        n_prompt: prompt length in tokens.
-        stop_reason: "eog" (end-of-generation token), "max_tokens" or "n_ctx" (context full).
-        t_prefill, t_decode: seconds spent on the prompt and on generating.
+        stop_reason: "eog" (end-of-generation token), "stop" (a stop string), "max_tokens" or "n_ctx"
+            (context full). ``finish_reason`` gives it in OpenAI's terms ("stop" or "length").
+        stats: ``SpecStats`` (prompt and generated counts, timings; drafting figures stay 0 for plain decoding).
     """
 
     text: str
     tokens: list[int]
-    n_prompt: int
     stop_reason: str
-    t_prefill: float = 0.0
-    t_decode: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def finish_reason(self) -> str:
+        return finish_reason(self.stop_reason)
+
+    @property
+    def n_prompt(self) -> int:
+        return self.stats.n_prompt
+
+    @property
+    def t_prefill(self) -> float:
+        return self.stats.t_prefill
+
+    @property
+    def t_decode(self) -> float:
+        return self.stats.t_decode
 
     @property
     def decode_tok_s(self) -> float:
@@ -44,31 +60,88 @@ class GenerationResult:
         return len(self.tokens) / self.t_decode if self.t_decode > 0 else 0.0
 
 
+def finish_reason(stop_reason: str) -> str:
+    """OpenAI's finish_reason for one of our stop reasons: "stop" (end of generation, stop string) or "length"."""
+    return "stop" if stop_reason in ("eog", "stop") else "length"
+
+
 @dataclass
 class TokenEvent:
-    """One streamed token: its id and the text it completes ("" while a UTF-8 sequence is incomplete).
+    """One streamed token: its id, the text it releases, and whether a draft proposed it.
 
-    A final event with token -1 flushes a UTF-8 sequence left incomplete by the last token (as U+FFFD).
+    ``text`` is "" while a UTF-8 sequence is incomplete or while the text could still begin a stop string.
+    Every stream ends with one event of token -1 whose ``stop_reason`` (and ``finish_reason``) says why
+    the generation ended; its text is what was left (an incomplete UTF-8 tail as U+FFFD), usually "".
     """
 
     token: int
     text: str
+    from_draft: bool = False
+    stop_reason: str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.stop_reason is None else finish_reason(self.stop_reason)
 
 
-@dataclass
-class _Timing:
-    t_prefill: float = 0.0
-    t_decode: float = 0.0
-    stop_reason: str = "max_tokens"
-    tokens: list[int] = field(default_factory=list)
+class TextStream:
+    """Token ids -> text, incrementally: pieces are decoded so that UTF-8 split across tokens comes out
+    whole, and text that could begin a stop string is held back until it cannot."""
+
+    def __init__(self, model, stop: Sequence[str] = ()):
+        self.model, self.stop = model, list(stop)
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._has_vocab = model.has_vocab
+        self.text = ""  # everything decoded so far (cut before the stop string once one completes)
+        self.stopped = False
+        self._emitted = 0
+
+    def add(self, token: int) -> str:
+        """Decode one more token; return the text it releases. Sets ``stopped`` when a stop string completes."""
+        self.text += self._decoder.decode(self.model.token_to_piece(token)) if self._has_vocab else ""
+        cut = _find_stop(self.text, self._emitted, self.stop)
+        if cut is not None:
+            self.text, self.stopped = self.text[:cut], True
+        end = len(self.text) if self.stopped else len(self.text) - _held_back(self.text, self.stop)
+        out, self._emitted = self.text[self._emitted:end], end
+        return out
+
+    def finish(self) -> str:
+        """What is left at the end: an incomplete UTF-8 tail and text held back for a stop string that never came."""
+        if not self.stopped:
+            self.text += self._decoder.decode(b"", final=True)
+        out, self._emitted = self.text[self._emitted:], len(self.text)
+        return out
+
+
+def _find_stop(text: str, emitted: int, stop: list[str]) -> int | None:
+    """Where the earliest stop string starts in text, looking only where one could newly complete."""
+    if not stop:
+        return None
+    base = max(0, emitted - max(len(s) for s in stop))
+    hits = [h for h in (text.find(s, base) for s in stop if s) if h >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
 
 
 def prompt_tokens(ctx: Context, prompt: str | Sequence[int], *, add_special: bool = True) -> np.ndarray:
     """Tokenize a text prompt (or validate given ids) and check it fits the context.
 
     Raises:
+        TypeError: a prompt that is neither text nor integer token ids (bytes, floats, ...).
         ValueError: empty prompt, or a prompt of n_ctx tokens or more (no room to generate).
     """
+    prompt = checks.prompt(prompt)
     if isinstance(prompt, str):
         tokens = ctx.model.tokenize(prompt, add_special=add_special, parse_special=True)
     else:
@@ -92,48 +165,50 @@ def prefill(ctx: Context, batch: Batch, tokens: np.ndarray, pos0: int = 0, *, se
 
 
 def generate_tokens(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler,
-                    stop_at_eog: bool = True, timing: _Timing | None = None) -> Iterator[int]:
-    """Yield generated token ids one by one (the context's memory is cleared first)."""
+                    stop_at_eog: bool = True, stats: SpecStats | None = None) -> Iterator[int]:
+    """Yield generated token ids one by one (the context's memory is cleared first); ``stats`` (if given)
+    gets the counts, the timings and the stop reason."""
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-    timing = timing if timing is not None else _Timing()
+    stats = stats if stats is not None else SpecStats()
+    stats.n_prompt, stats.stop_reason = len(tokens), "max_tokens"
     with ctx.generation("plain generation"):  # ContextBusyError if another generation runs on ctx
         yield from _generate_owned(ctx, tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog,
-                                   timing=timing)
+                                   stats=stats)
 
 
 def _generate_owned(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler, stop_at_eog: bool,
-                    timing: _Timing) -> Iterator[int]:
+                    stats: SpecStats) -> Iterator[int]:
     ctx.clear()
     batch = Batch(min(ctx.n_batch, max(len(tokens), 1)))
+    t0 = time.perf_counter()
     try:
-        t0 = time.perf_counter()
         prefill(ctx, batch, tokens)
-        timing.t_prefill = time.perf_counter() - t0
+        stats.t_prefill = time.perf_counter() - t0
         pos = len(tokens)
         t0 = time.perf_counter()
         for _ in range(max_tokens):
             token = sampler(ctx.logits(-1))
-            timing.tokens.append(token)
+            stats.n_generated += 1
             yield token
             if stop_at_eog and ctx.model.is_eog(token):
-                timing.stop_reason = "eog"
+                stats.stop_reason = "eog"
                 return
             if pos >= ctx.n_ctx:
-                timing.stop_reason = "n_ctx"
+                stats.stop_reason = "n_ctx"
                 return
             batch.clear()
             batch.add(token, pos, logits=True)
             ctx.decode(batch)
             pos += 1
     finally:
-        timing.t_decode = time.perf_counter() - t0 if timing.tokens else 0.0
+        stats.t_decode = time.perf_counter() - t0 if stats.n_generated else 0.0
         batch.close()
 
 
 def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stream: bool = False,
-             stop_at_eog: bool = True, add_special: bool = True):
+             top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
+             stream: bool = False, stop_at_eog: bool = True, add_special: bool = True):
     """Generate a continuation of ``prompt`` with plain autoregressive decoding.
 
     Args:
@@ -141,6 +216,7 @@ def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128
         prompt: text (tokenized with the model's special tokens) or token ids.
         max_tokens: most tokens to generate.
         temperature, top_k, top_p, seed: see ``SamplingParams``; temperature 0 is exact greedy.
+        stop: a string or a list of strings that end the generation; the text is cut before it.
         stream: if True return an iterator of ``TokenEvent`` instead of a result.
         stop_at_eog: stop after an end-of-generation token (it is included in the output ids).
         add_special: let the tokenizer add BOS/EOS as the model asks (text prompts only).
@@ -149,27 +225,47 @@ def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128
         GenerationResult, or an iterator of TokenEvent when ``stream``.
 
     Raises:
+        TypeError: an argument of the wrong type (the message names it), e.g. a Model for ``ctx``.
         ValueError: empty prompt, prompt too long for n_ctx, bad sampling params.
     """
-    sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+    checks.instance("ctx", ctx, Context, "create one with Context(model), or use pyllama_dspark.load(path)")
+    max_tokens = checks.integer("max_tokens", max_tokens, minimum=0)
+    stop = checks.stop_strings(stop)
+    sampler = Sampler(sampling_params(temperature, top_k, top_p, seed))
     tokens = prompt_tokens(ctx, prompt, add_special=add_special)
-    timing = _Timing()
-    events = _events(ctx, generate_tokens(ctx, tokens, max_tokens=max_tokens, sampler=sampler,
-                                          stop_at_eog=stop_at_eog, timing=timing))
+    stats = SpecStats()
+    result = GenerationResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
+    ids = generate_tokens(ctx, tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog, stats=stats)
+    events = stream_events(ctx.model, ((token, False) for token in ids), stop, result, close=ids.close)
     if stream:
         return events
-    text = "".join(event.text for event in events)
-    return GenerationResult(text=text, tokens=timing.tokens, n_prompt=len(tokens), stop_reason=timing.stop_reason,
-                            t_prefill=timing.t_prefill, t_decode=timing.t_decode)
+    for _ in events:
+        pass
+    return result
 
 
-def _events(ctx: Context, token_ids: Iterator[int]) -> Iterator[TokenEvent]:
-    """Attach text to token ids; pieces are decoded incrementally so UTF-8 split across tokens is whole."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    has_vocab = ctx.model.has_vocab
-    for token in token_ids:
-        piece = ctx.model.token_to_piece(token) if has_vocab else b""
-        yield TokenEvent(token=token, text=decoder.decode(piece))
-    tail = decoder.decode(b"", final=True)
-    if tail:
-        yield TokenEvent(token=-1, text=tail)
+def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
+    """SamplingParams from user arguments, their types checked (TypeError naming the argument)."""
+    return SamplingParams(temperature=checks.number("temperature", temperature),
+                          top_k=checks.integer("top_k", top_k), top_p=checks.number("top_p", top_p),
+                          seed=checks.optional_integer("seed", seed))
+
+
+def stream_events(model, tokens: Iterator[tuple[int, bool]], stop: list[str], result: GenerationResult,
+                  close) -> Iterator[TokenEvent]:
+    """TokenEvents for (token, from_draft) pairs, filling ``result`` as they go; a completed stop string
+    ends the generation (``close`` stops the producer). The last event (token -1) carries the stop reason."""
+    text = TextStream(model, stop)
+    try:
+        for token, from_draft in tokens:
+            result.tokens.append(token)
+            piece = text.add(token)
+            yield TokenEvent(token=token, text=piece, from_draft=from_draft)
+            if text.stopped:
+                result.stats.stop_reason = "stop"
+                break
+    finally:  # also when the consumer stops early: the producer releases its context now
+        close()
+    tail = text.finish()
+    result.text, result.stop_reason = text.text, result.stats.stop_reason
+    yield TokenEvent(token=-1, text=tail, stop_reason=result.stop_reason)

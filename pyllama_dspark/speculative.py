@@ -20,20 +20,20 @@ target's memory and the new anchor (the target's token) sits at pos + n + 1.
 
 from __future__ import annotations
 
-import codecs
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 
+from . import checks
 from .batch import Batch
 from .context import Context
 from .draft_length import DraftLengthChooser
 from .drafter import Draft, Drafter
-from .generate import TokenEvent, prompt_tokens
-from .sampling import Sampler, SamplingParams, probabilities
+from .generate import GenerationResult, prompt_tokens, sampling_params, stream_events
+from .sampling import Sampler, probabilities
 from .stats import SpecStats
 from .verify import accept_greedy, accept_stochastic
 
@@ -50,14 +50,7 @@ class Step:
     t_verify: float = 0.0
 
 
-@dataclass
-class SpecResult:
-    """What ``Speculator.generate`` returns: text, ids, why it stopped, and the statistics."""
-
-    text: str
-    tokens: list[int]
-    stop_reason: str
-    stats: SpecStats = field(default_factory=SpecStats)
+SpecResult = GenerationResult  # the name speculative results had before plain and speculative shared one type
 
 
 class Speculator:
@@ -75,10 +68,19 @@ class Speculator:
         n_draft_min: drafts shorter than this are dropped (the round becomes a plain decode).
 
     Raises:
+        TypeError: a target that is not a Context, a drafter without the Drafter protocol (e.g. a path).
         ValueError: a negative n_draft, or a hybrid target without enough rollback snapshots.
     """
 
     def __init__(self, target: Context, drafter: Drafter, *, n_draft: int | None = None, n_draft_min: int = 0):
+        checks.instance("target", target, Context, "create one with Context(model)")
+        protocol = ("block_size", "capture_layers", "reset", "observe", "propose")
+        missing = [name for name in protocol if not hasattr(drafter, name)]
+        if missing:
+            raise TypeError(f"drafter must be a Drafter (e.g. DSparkDrafter(path, target)), got "
+                            f"{type(drafter).__name__} (no {', '.join(missing)})")
+        n_draft = checks.optional_integer("n_draft", n_draft)
+        n_draft_min = checks.integer("n_draft_min", n_draft_min)
         block = int(drafter.block_size)
         self.draft_length = DraftLengthChooser(block) if n_draft is None else None
         n_draft = block if n_draft is None else int(n_draft)
@@ -214,9 +216,9 @@ class Speculator:
         q = draft.probs if draft.probs is not None else _greedy_q(drafts, rows.shape[1])
         return accept_stochastic(drafts, q[: len(drafts)], p, sampler.rng.random, sampler.draw)
 
-    # --- convenience ------------------------------------------------------------------
+    # --- convenience ---------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] = (),
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, stop_at_eog: bool = True, add_special: bool = True):
         """Generate with speculative decoding; temperature 0 reproduces plain greedy decoding exactly.
 
@@ -224,19 +226,25 @@ class Speculator:
             prompt: text or token ids.
             max_tokens: most tokens to generate.
             temperature, top_k, top_p, seed: sampling (see SamplingParams); > 0 uses rejection sampling.
-            stop: strings that end the generation; the text is cut before the stop string (also when it
-                spans a block boundary).
-            stream: return an iterator of TokenEvent as tokens are committed.
+            stop: a string or a list of strings that end the generation; the text is cut before the stop
+                string (also when it spans a block boundary).
+            stream: return an iterator of TokenEvent (with ``from_draft``) as tokens are committed.
 
         Returns:
-            SpecResult (text, tokens, stop_reason, stats), or an iterator of TokenEvent.
+            GenerationResult (text, tokens, stop_reason, stats), or an iterator of TokenEvent.
+
+        Raises:
+            TypeError: an argument of the wrong type (the message names it).
         """
-        sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        max_tokens = checks.integer("max_tokens", max_tokens, minimum=0)
+        stop = checks.stop_strings(stop)
+        sampler = Sampler(sampling_params(temperature, top_k, top_p, seed))
         tokens = prompt_tokens(self.target, prompt, add_special=add_special)
         stats = self.last_stats = SpecStats()  # also readable while streaming
-        result = SpecResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
-        events = self._events(self.run(tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog,
-                                       stats=stats), list(stop), result)
+        result = GenerationResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
+        steps = self.run(tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog, stats=stats)
+        pairs = ((token, drafted) for step in steps for token, drafted in zip(step.tokens, step.from_draft))
+        events = stream_events(self.target.model, pairs, stop, result, close=steps.close)
         if stream:
             return events
         for _ in events:
@@ -245,51 +253,7 @@ class Speculator:
 
     def chat(self, messages: Sequence[Mapping[str, str]], **kwargs):
         """``generate`` on the messages formatted with the target's chat template."""
-        return self.generate(self.target.model.apply_chat_template(messages), **kwargs)
-
-    def _events(self, steps: Iterator[Step], stop: list[str], result: SpecResult) -> Iterator[TokenEvent]:
-        """Token events with text; text that could begin a stop string is held back until it cannot."""
-        model = self.target.model
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        text, emitted = "", 0
-        for step in steps:
-            for token in step.tokens:
-                result.tokens.append(token)
-                text += decoder.decode(model.token_to_piece(token)) if model.has_vocab else ""
-                cut = _find_stop(text, emitted, stop)
-                if cut is not None:
-                    result.text, result.stop_reason = text[:cut], "stop"
-                    yield TokenEvent(token=token, text=text[emitted:cut])
-                    steps.close()
-                    return
-                safe = len(text) - _held_back(text, stop)
-                yield TokenEvent(token=token, text=text[emitted:safe])
-                emitted = safe
-        text += decoder.decode(b"", final=True)
-        if len(text) > emitted:
-            yield TokenEvent(token=-1, text=text[emitted:])
-        result.text = text
-        result.stop_reason = result.stats.stop_reason
-
-
-def _find_stop(text: str, emitted: int, stop: list[str]) -> int | None:
-    """Where the earliest stop string starts in text, looking only where one could newly complete."""
-    if not stop:
-        return None
-    base = max(0, emitted - max(len(s) for s in stop))
-    hits = [h for h in (text.find(s, base) for s in stop if s) if h >= 0]
-    return min(hits) if hits else None
-
-
-def _held_back(text: str, stop: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
-    best = 0
-    for s in stop:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
+        return self.generate(self.target.model.apply_chat_template(checks.messages(messages)), **kwargs)
 
 
 def _greedy_q(drafts: np.ndarray, n_vocab: int) -> np.ndarray:

@@ -1,0 +1,196 @@
+"""One-line loading and the calls llama-cpp-python and mlx-lm users know, over Model, Context,
+DSparkDrafter and Speculator (which stay the API for finer control).
+
+    llm = pyllama_dspark.load("target.gguf", drafter="drafter.gguf")
+    print(llm.generate("Hello", max_tokens=32).text)
+    for event in llm.stream("Hello"):
+        print(event.text, end="")
+    reply = llm.create_chat_completion([{"role": "user", "content": "Hi"}])
+    print(reply["choices"][0]["message"]["content"], reply["usage"])
+
+With a drafter the generation is speculative (exactly plain greedy decoding's tokens at temperature 0);
+without one it is plain decoding. Results and stream events are the same types either way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from . import checks
+from .context import Context
+from .drafter import DSparkDrafter
+from .generate import GenerationResult, TokenEvent, generate
+from .model import Model
+from .speculative import Speculator
+
+
+def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str] | Any | None = None, *,
+         n_ctx: int = 4096, n_threads: int | None = None, n_draft: int | None = None, n_gpu_layers: int = 0,
+         **context_kwargs) -> LLM:
+    """Load a target model (and optionally a DSpark drafter) ready to generate.
+
+    Args:
+        target: a GGUF path, or an open Model (then it stays yours to close).
+        drafter: a DSpark drafter GGUF path, any Drafter object (e.g. ``PromptLookupDrafter()``), or None
+            for plain decoding.
+        n_ctx: context size in tokens.
+        n_threads: CPU threads (None: llama.cpp's default).
+        n_draft: drafts per round; None picks it per round from measured costs (see ``Speculator``).
+        n_gpu_layers: layers to offload (GPU builds).
+        context_kwargs: further ``Context`` arguments (``n_batch``, ``kv_type``, ``consistent_numerics``...).
+
+    Raises:
+        TypeError: an argument of the wrong type; FileNotFoundError / ModelLoadError: a bad file;
+        DrafterError: a drafter that does not fit the target.
+    """
+    n_ctx = checks.integer("n_ctx", n_ctx, minimum=1)
+    n_threads = checks.optional_integer("n_threads", n_threads, minimum=1)
+    if not isinstance(target, (Model, str, os.PathLike)):
+        raise TypeError(f"target must be a GGUF path or a Model, got {type(target).__name__}")
+    owns_model = not isinstance(target, Model)
+    model = Model(target, n_gpu_layers=n_gpu_layers) if owns_model else target
+    try:
+        return LLM(model, drafter, owns_model=owns_model, n_ctx=n_ctx, n_threads=n_threads, n_draft=n_draft,
+                   n_gpu_layers=n_gpu_layers, **context_kwargs)
+    except BaseException:
+        if owns_model:
+            model.close()
+        raise
+
+
+class LLM:
+    """A target (and drafter) loaded by ``load``: generate, stream, chat, OpenAI-shaped completions.
+
+    Attributes:
+        model, ctx: the target's Model and Context.
+        drafter: the Drafter, or None for plain decoding.
+        speculator: the Speculator over ctx and drafter, or None.
+    """
+
+    def __init__(self, model: Model, drafter, *, owns_model: bool, n_ctx: int, n_threads: int | None,
+                 n_draft: int | None, n_gpu_layers: int, **context_kwargs):
+        self.model, self._owns_model = model, owns_model
+        is_path = isinstance(drafter, (str, os.PathLike))
+        block = DSparkDrafter.peek_block_size(drafter) if is_path else getattr(drafter, "block_size", 0)
+        if (model.is_hybrid or model.is_recurrent) and drafter is not None:
+            context_kwargs.setdefault("n_rs_seq", Speculator.target_rs_seq(min(n_draft or block, block)))
+        self.ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads, **context_kwargs)
+        try:
+            if is_path:
+                drafter = DSparkDrafter(drafter, self.ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+            self.drafter = drafter
+            self.speculator = Speculator(self.ctx, drafter, n_draft=n_draft) if drafter is not None else None
+        except BaseException:
+            self.ctx.close()
+            raise
+
+    # --- generation ---------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+        """Generate from a text or token-id prompt. Keyword arguments as ``pyllama_dspark.generate``
+        (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_at_eog``...)."""
+        if kwargs.pop("stream", False):
+            raise TypeError("use LLM.stream(...) for a stream of events")
+        return self._run(prompt, kwargs, stream=False)
+
+    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[TokenEvent]:
+        """Like ``generate``, as TokenEvents (text, ``from_draft``; the last event carries the stop reason)."""
+        return self._run(prompt, kwargs, stream=True)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], *, stream: bool = False, **kwargs):
+        """``generate`` (or ``stream``) on the messages formatted with the model's chat template."""
+        prompt = self.model.apply_chat_template(checks.messages(messages))
+        return self._run(prompt, kwargs, stream=stream)
+
+    def _run(self, prompt, kwargs, *, stream: bool):
+        if self.speculator is not None:
+            return self.speculator.generate(prompt, stream=stream, **kwargs)
+        return generate(self.ctx, prompt, stream=stream, **kwargs)
+
+    # --- OpenAI-shaped completions (llama-cpp-python's names) ----------------------------
+    def create_completion(self, prompt: str | Sequence[int], *, max_tokens: int | None = 16, temperature: float = 0.0,
+                          top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
+                          seed: int | None = None, stream: bool = False):
+        """A ``text_completion`` dict (``choices[0].text``, ``finish_reason``, ``usage``, and ``speculative``
+        statistics when a drafter runs), or with ``stream`` an iterator of chunk dicts. Temperature 0 (the
+        default here, unlike llama-cpp-python's 0.8) is exact greedy decoding."""
+        knobs = self._knobs(max_tokens, temperature, top_p, top_k, stop, seed)
+        return self._completion(prompt, knobs, stream, chat=False)
+
+    def create_chat_completion(self, messages: Sequence[Mapping[str, str]], *, max_tokens: int | None = None,
+                               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                               stop: str | Sequence[str] | None = None, seed: int | None = None, stream: bool = False):
+        """A ``chat.completion`` dict (``choices[0].message``, ``finish_reason``, ``usage``, ``speculative``),
+        or with ``stream`` an iterator of ``chat.completion.chunk`` dicts (``delta``). ``max_tokens`` None
+        generates until the end of generation or of the context."""
+        prompt = self.model.apply_chat_template(checks.messages(messages))
+        knobs = self._knobs(max_tokens, temperature, top_p, top_k, stop, seed)
+        return self._completion(prompt, knobs, stream, chat=True)
+
+    def _knobs(self, max_tokens, temperature, top_p, top_k, stop, seed) -> dict:
+        max_tokens = self.ctx.n_ctx if max_tokens is None else checks.integer("max_tokens", max_tokens, minimum=0)
+        return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
+
+    def _completion(self, prompt, knobs: dict, stream: bool, *, chat: bool):
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": Path(self.model.path).name}
+        if stream:
+            return self._chunks(self._run(prompt, dict(knobs), stream=True), head, chat)
+        result = self._run(prompt, dict(knobs), stream=False)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
+                      "finish_reason": result.finish_reason}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        out = {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+               "usage": {"prompt_tokens": result.n_prompt, "completion_tokens": len(result.tokens),
+                         "total_tokens": result.n_prompt + len(result.tokens)}}
+        if self.speculator is not None:
+            out["speculative"] = _speculative_figures(result)
+        return out
+
+    def _chunks(self, events: Iterator[TokenEvent], head: dict, chat: bool) -> Iterator[dict]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(piece: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant"} if role else ({} if piece is None else {"content": piece})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            return {**head, "object": obj, "choices": [choice]}
+
+        if chat:
+            yield chunk(None, None, role=True)
+        for event in events:
+            if event.stop_reason is not None:  # the last event
+                if event.text:
+                    yield chunk(event.text, None)
+                yield chunk(None, event.finish_reason)
+            elif event.text:
+                yield chunk(event.text, None)
+
+    # --- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the drafter, the context and (if ``load`` opened it) the model."""
+        close = getattr(self.drafter, "close", None)
+        if close is not None:
+            close()
+        self.ctx.close()
+        if self._owns_model:
+            self.model.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _speculative_figures(result: GenerationResult) -> dict:
+    st = result.stats
+    return {"rounds": st.rounds, "drafted": st.drafted, "accepted": st.accepted, "accept_rate": st.accept_rate,
+            "tau": st.tau, "decode_tok_s": st.decode_tok_s}

@@ -1,0 +1,162 @@
+"""The first hour (issue 13): ``load`` and the LLM facade, OpenAI-shaped completions, one result type with
+``.stats`` for plain and speculative decoding, stream events with ``from_draft`` and the stop reason, stop
+strings as a string or a list, and argument types checked up front with errors that name the argument."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import drafters
+import pyllama_dspark
+from pyllama_dspark import Context, GenerationResult, Model, PromptLookupDrafter, Speculator, generate
+from pyllama_dspark.convert.converter import convert
+from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+
+SPEC = TinySpec(arch="llama", n_layer=3, vocab="llama-spm", chat_template="chatml")
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "user", "content": "Name three fruits."}]
+
+
+@pytest.fixture(scope="module")
+def target(model_dir):
+    return tiny_model(SPEC, cache_dir=model_dir)
+
+
+@pytest.fixture(scope="module")
+def drafter_path(target, model_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("api-drafter")
+    ck = write_tiny_dspark_checkpoint(folder / "ck", target=SPEC, block_size=4, target_cache_dir=model_dir)
+    return convert(ck, folder / "drafter.gguf", target_gguf=target).path
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """Plain greedy decoding through the power-user API: the reference for every facade call."""
+    with Model(target) as model:
+        ctx = Context(model, n_ctx=512)
+        text_run = generate(ctx, PROMPT, max_tokens=24, stop_at_eog=False)
+        chat_run = generate(ctx, model.apply_chat_template(MESSAGES), max_tokens=24, stop_at_eog=False)
+    return text_run, chat_run
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_load_generate_stream_and_chat_give_plain_greedy_decoding(target, drafter_path, plain, with_drafter):
+    text_run, chat_run = plain
+    with pyllama_dspark.load(target, drafter=drafter_path if with_drafter else None, n_ctx=512) as llm:
+        assert (llm.speculator is not None) == with_drafter
+        result = llm.generate(PROMPT, max_tokens=24, stop_at_eog=False)
+        assert isinstance(result, GenerationResult)
+        assert (result.tokens, result.text) == (text_run.tokens, text_run.text)
+        assert result.stats.n_generated == 24 and result.stats.n_prompt == result.n_prompt > 0
+        assert result.stop_reason == "max_tokens" and result.finish_reason == "length"
+        assert (result.stats.rounds > 0) == with_drafter
+        events = list(llm.stream(PROMPT, max_tokens=24, stop_at_eog=False))
+        assert [e.token for e in events[:-1]] == text_run.tokens and events[-1].token == -1
+        assert "".join(e.text for e in events) == text_run.text
+        assert events[-1].stop_reason == "max_tokens" and events[-1].finish_reason == "length"
+        assert all(e.stop_reason is None for e in events[:-1])
+        assert any(e.from_draft for e in events) == (with_drafter and result.stats.accepted > 0)
+        chat = llm.chat(MESSAGES, max_tokens=24, stop_at_eog=False)
+        assert chat.tokens == chat_run.tokens
+
+
+def test_stream_events_say_which_tokens_a_draft_proposed(target):
+    with Model(target) as model:
+        ctx = Context(model, n_ctx=256)
+        ids = model.tokenize(PROMPT, parse_special=True).tolist()
+        expected = generate(ctx, PROMPT, max_tokens=20, stop_at_eog=False).tokens
+        spec = Speculator(ctx, drafters.prefix(ids + expected, model.n_vocab, 2), n_draft=4)
+        steps = list(spec.run(np.asarray(ids, dtype=np.int32), max_tokens=20, stop_at_eog=False))
+        events = list(spec.generate(PROMPT, max_tokens=20, stop_at_eog=False, stream=True))
+    assert [e.from_draft for e in events[:-1]] == [d for s in steps for d in s.from_draft]
+    assert [e.from_draft for e in events[:3]] == [False, True, True]  # token 0, then two right drafts
+
+
+def test_completion_dicts_have_the_openai_shape(target, drafter_path, plain):
+    text_run, chat_run = plain
+    with pyllama_dspark.load(target, drafter=drafter_path, n_ctx=512) as llm:
+        out = llm.create_completion(PROMPT, max_tokens=24)
+        assert out["object"] == "text_completion" and out["id"].startswith("cmpl-")
+        assert out["model"] == target.name and isinstance(out["created"], int)
+        (choice,) = out["choices"]
+        assert choice["text"] == text_run.text and choice["finish_reason"] == "length" and choice["index"] == 0
+        assert out["usage"]["completion_tokens"] == 24
+        assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + 24
+        assert out["speculative"]["rounds"] > 0 and out["speculative"]["tau"] >= 1.0
+        chat = llm.create_chat_completion(MESSAGES, max_tokens=24)
+        assert chat["object"] == "chat.completion" and chat["id"].startswith("chatcmpl-")
+        assert chat["choices"][0]["message"] == {"role": "assistant", "content": chat_run.text}
+        chunks = list(llm.create_chat_completion(MESSAGES, max_tokens=24, stream=True))
+        assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == chat_run.text
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        pieces = list(llm.create_completion(PROMPT, max_tokens=24, stream=True))
+        assert "".join(c["choices"][0]["text"] for c in pieces) == text_run.text
+    with pyllama_dspark.load(target, n_ctx=512) as llm:
+        assert "speculative" not in llm.create_completion(PROMPT, max_tokens=4)
+
+
+def test_prompt_lookup_drafter_and_an_open_model_through_load(target, plain):
+    text_run, _ = plain
+    with Model(target) as model:
+        with pyllama_dspark.load(model, drafter=PromptLookupDrafter(), n_ctx=512) as llm:
+            assert llm.generate(PROMPT, max_tokens=24, stop_at_eog=False).tokens == text_run.tokens
+        assert model.n_vocab > 0  # the caller's model stays open after the LLM closes
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_stop_takes_a_string_or_a_list_on_plain_and_speculative_generation(target, drafter_path, plain,
+                                                                          with_drafter):
+    text_run, _ = plain
+    stop = text_run.text[10:13]
+    assert len(stop) == 3 and text_run.text.find(stop) >= 6  # somewhere past the first round
+    cut = text_run.text.find(stop)
+    with pyllama_dspark.load(target, drafter=drafter_path if with_drafter else None, n_ctx=512) as llm:
+        for form in (stop, [stop], (stop, "never appears")):
+            result = llm.generate(PROMPT, max_tokens=24, stop_at_eog=False, stop=form)
+            assert result.text == text_run.text[:cut] and result.stop_reason == "stop", form
+            assert result.finish_reason == "stop"
+            streamed = list(llm.stream(PROMPT, max_tokens=24, stop_at_eog=False, stop=form))
+            assert "".join(e.text for e in streamed) == text_run.text[:cut]
+            assert streamed[-1].stop_reason == "stop"
+        assert not llm.ctx.busy, "a stop string released the context"
+
+
+def test_wrong_argument_types_raise_type_errors_that_name_the_argument(target, drafter_path):
+    with Model(target) as model:
+        ctx = Context(model, n_ctx=128)
+        spec = Speculator(ctx, drafters.never([], model.n_vocab))
+        with pytest.raises(TypeError, match="ctx must be a Context, got Model"):
+            generate(model, PROMPT)
+        with pytest.raises(TypeError, match="drafter must be a Drafter .* got str"):
+            Speculator(ctx, str(drafter_path))
+        with pytest.raises(TypeError, match="target must be a Context"):
+            Speculator(model, drafters.never([], model.n_vocab))
+        for call in (lambda **kw: generate(ctx, PROMPT, **kw), lambda **kw: spec.generate(PROMPT, **kw)):
+            with pytest.raises(TypeError, match="max_tokens must be an int, got str '8'"):
+                call(max_tokens="8")
+            with pytest.raises(TypeError, match="temperature must be a number"):
+                call(temperature="0.5")
+            with pytest.raises(TypeError, match="top_k must be an int"):
+                call(top_k=2.5)
+            with pytest.raises(TypeError, match="stop must be a string or a list of strings"):
+                call(stop=[".", 3])
+        with pytest.raises(TypeError, match="got bytes: decode it first"):
+            generate(ctx, b"Hi")
+        with pytest.raises(TypeError, match="1-D integer array, got 1-D float64"):
+            generate(ctx, np.array([1.5, 2.0]))
+        with pytest.raises(TypeError, match="token ids must be ints, got float"):
+            spec.generate([1, 2.0])
+        with pytest.raises(TypeError, match="messages must be a list"):
+            spec.chat("Hi")
+        with pytest.raises(TypeError, match=r"messages\[0\] must be a dict"):
+            spec.chat([("user", "Hi")])
+        # numpy integers are ints
+        assert len(generate(ctx, np.array([1, 2, 3], dtype=np.int16), max_tokens=np.int64(2)).tokens) == 2
+    with pytest.raises(TypeError, match="n_ctx must be an int"):
+        pyllama_dspark.load(target, n_ctx="4096")
+    with pytest.raises(TypeError, match="target must be a GGUF path or a Model"):
+        pyllama_dspark.load(42)
