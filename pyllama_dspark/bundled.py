@@ -37,6 +37,14 @@ def smollm2_path() -> Path:
                               f"{SMOLLM2_INSTALL}")
 
 
+def smollm2_installed() -> bool:
+    try:
+        smollm2_path()
+    except BundledModelMissing:
+        return False
+    return True
+
+
 def drafter_path() -> Path:
     """The DSpark drafter for SmolLM2-135M-Instruct shipped in this package."""
     path = find_installed(DRAFTER_FILE)

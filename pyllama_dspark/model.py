@@ -11,6 +11,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from . import _log
+from . import chat as chat_templates
 from ._lib import ffi, lib
 from ._owned import Owned
 from .errors import InvalidBatchError, LlamaError, ModelLoadError
@@ -203,6 +204,10 @@ class Model(Owned):
                 return ffi.buffer(buf, n)[:]
             size = -n
 
+    def _special_text(self, kind: str) -> str:
+        token = self.special_tokens[kind]
+        return "" if token < 0 else self.token_to_piece(token, special=True).decode("utf-8", "replace")
+
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, EOT, ...)."""
         return bool(lib.llama_vocab_is_eog(self._live_vocab(), int(token)))
@@ -227,12 +232,26 @@ class Model(Owned):
                             template: str | None = None) -> str:
         """Format chat messages ({"role", "content"}) with the model's (or the given) template.
 
+        A Jinja template (what Hugging Face models store) is rendered as transformers renders it
+        (``pyllama_dspark.chat``): its default system prompt and everything else it writes included.
+        A llama.cpp template name ("chatml", "llama3", ...) goes through llama.cpp's formatter. A
+        leading BOS the template writes is left out when the tokenizer adds one itself, so the text
+        tokenizes (``add_special=True``) to exactly one BOS.
+
         Raises:
-            ValueError: no template, or llama.cpp does not support the template.
+            ValueError: no template; ChatTemplateError (a ValueError): the template failed to render;
+                llama.cpp does not know the template name.
         """
         tmpl = template if template is not None else self.chat_template
         if tmpl is None:
             raise ValueError(f"model {self.path.name} has no chat template; pass template=")
+        if chat_templates.is_jinja(tmpl):
+            bos, eos = self._special_text("bos"), self._special_text("eos")
+            text = chat_templates.render(tmpl, messages, add_generation_prompt=add_assistant, bos_token=bos,
+                                         eos_token=eos)
+            if bos and text.startswith(bos) and lib.llama_vocab_get_add_bos(self._live_vocab()):
+                text = text[len(bos):]
+            return text
         tmpl_bytes = ffi.new("char[]", tmpl.encode())
         texts = [(m["role"].encode(), m["content"].encode()) for m in messages]
         # The native strings must outlive the call: ``keep`` owns every char[] the messages point into
