@@ -101,8 +101,10 @@ class LLM:
         return self._run(prompt, kwargs, stream=True)
 
     def chat(self, messages: Sequence[Mapping[str, str]], *, stream: bool = False, **kwargs):
-        """``generate`` (or ``stream``) on the messages formatted with the model's chat template."""
+        """``generate`` (or ``stream``) on the messages formatted with the model's chat template; the memory of
+        the conversation so far is kept between turns (``reuse_prefix``)."""
         prompt = self.model.apply_chat_template(checks.messages(messages))
+        kwargs.setdefault("reuse_prefix", True)
         return self._run(prompt, kwargs, stream=stream)
 
     def _run(self, prompt, kwargs, *, stream: bool):

@@ -130,6 +130,11 @@ class Context(Owned):
         self._capture_masked = False
         self._layer_inputs: set[int] = set()
         self._causal = True
+        # Prefix reuse between generations: every memory change bumps the epoch; a generation that ends
+        # cleanly records (owner, the tokens its memory holds, the epoch), and the next one may keep the
+        # common prefix only if nothing touched the memory since.
+        self._memory_epoch = 0
+        self._memory_record: tuple[object, np.ndarray, int] | None = None
 
     def close(self) -> None:
         """Free the context (its children first). Waits for a native call running in another thread."""
@@ -221,6 +226,7 @@ class Context(Owned):
         """
         self._check_batch(batch)
         _log.clear()
+        self._memory_epoch += 1
         if isinstance(batch, Batch):
             rc = lib.llama_decode(self.ptr, batch._native())
         else:
@@ -426,6 +432,7 @@ class Context(Owned):
         """
         if not -1 <= seq_id < self.n_seq_max:
             raise ValueError(f"sequence id {seq_id} outside [-1, {self.n_seq_max}) (-1 = every sequence)")
+        self._memory_epoch += 1
         if not lib.llama_memory_seq_rm(self._memory(), seq_id, p0, p1):
             raise MemoryOpError(f"memory cannot remove positions [{p0}, {p1}) of sequence {seq_id}",
                                 op="llama_memory_seq_rm", log_tail=_log.tail())
@@ -435,6 +442,7 @@ class Context(Owned):
         """Copy positions [p0, p1) of sequence src to dst."""
         for s in (src, dst):
             self._check_seq(s)
+        self._memory_epoch += 1
         lib.llama_memory_seq_cp(self._memory(), src, dst, p0, p1)
 
     @_serialised
@@ -451,7 +459,33 @@ class Context(Owned):
     @_serialised
     def clear(self, data: bool = True) -> None:
         """Empty the memory (all sequences)."""
+        self._memory_epoch += 1
         lib.llama_memory_clear(self._memory(), data)
+
+    def _remember(self, owner: object, tokens: np.ndarray) -> None:
+        """A generation ended cleanly with ``tokens`` (positions 0..) in sequence 0's memory."""
+        self._memory_record = (owner, np.array(tokens, dtype=np.int64), self._memory_epoch)
+
+    def _forget(self) -> None:
+        self._memory_record = None
+
+    def _reusable_prefix(self, owner: object, tokens: np.ndarray, *, any_owner: bool = False) -> int:
+        """How many leading ``tokens`` the memory already holds from the last generation and may keep:
+        0 unless that generation was ``owner``'s (or ``any_owner``) and nothing touched the memory since.
+        At least the last token is always decoded again (its logits are needed). A recurrent or hybrid
+        memory cannot drop trailing cells beyond its snapshots, so it keeps all of the old tokens or none."""
+        record = self._memory_record
+        if record is None or record[2] != self._memory_epoch or not (any_owner or record[0] is owner):
+            return 0
+        held = record[1]
+        n = min(len(held), len(tokens) - 1)
+        if n <= 0:
+            return 0
+        differs = np.flatnonzero(held[:n] != np.asarray(tokens[:n]))
+        keep = int(differs[0]) if differs.size else n
+        if (self.model.is_recurrent or self.model.is_hybrid) and keep != len(held):
+            return 0
+        return keep
 
     def _memory(self):
         self.ptr

@@ -165,50 +165,71 @@ def prefill(ctx: Context, batch: Batch, tokens: np.ndarray, pos0: int = 0, *, se
 
 
 def generate_tokens(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler,
-                    stop_at_eog: bool = True, stats: SpecStats | None = None) -> Iterator[int]:
-    """Yield generated token ids one by one (the context's memory is cleared first); ``stats`` (if given)
-    gets the counts, the timings and the stop reason."""
+                    stop_at_eog: bool = True, stats: SpecStats | None = None,
+                    reuse_prefix: bool = False) -> Iterator[int]:
+    """Yield generated token ids one by one; ``stats`` (if given) gets the counts, the timings and the stop
+    reason. The context's memory is cleared first, or with ``reuse_prefix`` trimmed to the prefix it shares
+    with the last generation on this context (``Context._reusable_prefix``)."""
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     stats = stats if stats is not None else SpecStats()
     stats.n_prompt, stats.stop_reason = len(tokens), "max_tokens"
     with ctx.generation("plain generation"):  # ContextBusyError if another generation runs on ctx
         yield from _generate_owned(ctx, tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog,
-                                   stats=stats)
+                                   stats=stats, reuse_prefix=reuse_prefix)
+
+
+PLAIN = "plain generation"  # the owner a plain generation records with its memory
 
 
 def _generate_owned(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler, stop_at_eog: bool,
-                    stats: SpecStats) -> Iterator[int]:
-    ctx.clear()
-    batch = Batch(min(ctx.n_batch, max(len(tokens), 1)))
+                    stats: SpecStats, reuse_prefix: bool) -> Iterator[int]:
+    keep = ctx._reusable_prefix(PLAIN, tokens, any_owner=True) if reuse_prefix else 0
+    ctx._forget()
+    if keep:
+        ctx.seq_rm(0, keep, -1)
+    else:
+        ctx.clear()
+    stats.n_reused = keep
+    in_memory = [int(t) for t in tokens]
+    batch = Batch(min(ctx.n_batch, max(len(tokens) - keep, 1)))
     t0 = time.perf_counter()
+    clean = False
     try:
-        prefill(ctx, batch, tokens)
+        prefill(ctx, batch, tokens[keep:], keep)
         stats.t_prefill = time.perf_counter() - t0
         pos = len(tokens)
         t0 = time.perf_counter()
         for _ in range(max_tokens):
             token = sampler(ctx.logits(-1))
             stats.n_generated += 1
-            yield token
+            try:
+                yield token
+            except GeneratorExit:  # the consumer stopped: the memory is as consistent as after a return
+                clean = True
+                raise
             if stop_at_eog and ctx.model.is_eog(token):
                 stats.stop_reason = "eog"
-                return
+                break
             if pos >= ctx.n_ctx:
                 stats.stop_reason = "n_ctx"
-                return
+                break
             batch.clear()
             batch.add(token, pos, logits=True)
             ctx.decode(batch)
+            in_memory.append(token)
             pos += 1
+        clean = True
     finally:
         stats.t_decode = time.perf_counter() - t0 if stats.n_generated else 0.0
         batch.close()
+        if clean:
+            ctx._remember(PLAIN, np.asarray(in_memory))
 
 
 def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-             stream: bool = False, stop_at_eog: bool = True, add_special: bool = True):
+             stream: bool = False, stop_at_eog: bool = True, add_special: bool = True, reuse_prefix: bool = False):
     """Generate a continuation of ``prompt`` with plain autoregressive decoding.
 
     Args:
@@ -220,6 +241,10 @@ def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128
         stream: if True return an iterator of ``TokenEvent`` instead of a result.
         stop_at_eog: stop after an end-of-generation token (it is included in the output ids).
         add_special: let the tokenizer add BOS/EOS as the model asks (text prompts only).
+        reuse_prefix: keep the memory of the prefix this prompt shares with the last generation on ``ctx``
+            (a chat's next turn) instead of decoding the whole prompt again; ``stats.n_reused`` says how many
+            tokens were kept. Off by default: prompts longer than 64 tokens are decoded with batch kernels
+            whose last bits depend on how the prompt was split, so a reused prefix may round differently.
 
     Returns:
         GenerationResult, or an iterator of TokenEvent when ``stream``.
@@ -235,7 +260,8 @@ def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128
     tokens = prompt_tokens(ctx, prompt, add_special=add_special)
     stats = SpecStats()
     result = GenerationResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
-    ids = generate_tokens(ctx, tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog, stats=stats)
+    ids = generate_tokens(ctx, tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog, stats=stats,
+                          reuse_prefix=bool(reuse_prefix))
     events = stream_events(ctx.model, ((token, False) for token in ids), stop, result, close=ids.close)
     if stream:
         return events

@@ -107,11 +107,13 @@ class Speculator:
 
     # --- the loop ---------------------------------------------------------------------
     def run(self, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler | None = None,
-            stop_at_eog: bool = True, stats: SpecStats | None = None) -> Iterator[Step]:
+            stop_at_eog: bool = True, stats: SpecStats | None = None, reuse_prefix: bool = False) -> Iterator[Step]:
         """Yield one Step per round until max_tokens, an end-of-generation token or a full context.
 
         The first Step carries the token sampled from the prompt's logits (n_draft 0). The target's
-        and the drafter's memories are cleared first. ``stats`` (if given) is filled as it goes.
+        and the drafter's memories are cleared first, or with ``reuse_prefix`` trimmed to the prefix the
+        prompt shares with this Speculator's last generation (nothing else may have used the context in
+        between). ``stats`` (if given) is filled as it goes.
         """
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -122,15 +124,20 @@ class Speculator:
         if max_tokens == 0:
             return
         with ctx.generation("speculative generation"):  # ContextBusyError if another generation runs on ctx
-            yield from self._run_owned(tokens, max_tokens, sampler, stop_at_eog, stats)
+            yield from self._run_owned(tokens, max_tokens, sampler, stop_at_eog, stats, reuse_prefix)
 
     def _run_owned(self, tokens: np.ndarray, max_tokens: int, sampler: Sampler, stop_at_eog: bool,
-                   stats: SpecStats) -> Iterator[Step]:
+                   stats: SpecStats, reuse_prefix: bool) -> Iterator[Step]:
         ctx, n_ctx = self.target, self.target.n_ctx
+        keep = ctx._reusable_prefix(self, tokens) if reuse_prefix else 0
+        ctx._forget()
+        stats.n_reused = keep
         t0 = time.perf_counter()
-        anchor = self._prefill(tokens, sampler)
+        anchor = self._prefill(tokens, sampler, keep)
         stats.t_prefill = time.perf_counter() - t0
         pos, n_left = len(tokens), max_tokens
+        in_memory = [int(t) for t in tokens]  # what the target's memory holds, for the next reuse_prefix
+        clean = False
         t0 = time.perf_counter()
         try:
             step = Step(tokens=[anchor], n_draft=0, n_accept=0, from_draft=[False])
@@ -142,29 +149,41 @@ class Speculator:
                 if eog:
                     cut = next(i for i, t in enumerate(step.tokens) if ctx.model.is_eog(t))
                     step.tokens, step.from_draft = step.tokens[:cut + 1], step.from_draft[:cut + 1]
-                yield step
+                try:
+                    yield step
+                except GeneratorExit:  # the consumer stopped between rounds: the memory is consistent
+                    clean = True
+                    raise
                 if eog or n_left == 0 or pos >= n_ctx:
                     stats.stop_reason = "eog" if eog else "max_tokens" if n_left == 0 else "n_ctx"
+                    clean = True
                     return
                 n_max = min(self.n_draft, n_ctx - pos - 1, n_left - 1)
                 if self.draft_length is not None:
                     n_max = self.draft_length.plan(n_max)
                 step = self._round(anchor, pos, n_max, sampler, stats)
+                in_memory += [anchor] + step.tokens[:-1]  # the anchor and the accepted drafts were kept
                 pos += len(step.tokens)
                 anchor = step.tokens[-1]
         finally:
             stats.t_decode = time.perf_counter() - t0
+            if clean:
+                ctx._remember(self, np.asarray(in_memory))
 
-    def _prefill(self, tokens: np.ndarray, sampler: Sampler) -> int:
-        """Decode the prompt (dense capture, logits on the last row), feed the drafter, sample token 1."""
+    def _prefill(self, tokens: np.ndarray, sampler: Sampler, keep: int = 0) -> int:
+        """Decode the prompt from position ``keep`` (dense capture, logits on the last row), feed the drafter
+        the same rows (it drops what it held from ``keep`` on), sample token 1."""
         ctx, drafter = self.target, self.drafter
-        ctx.clear()
-        drafter.reset()
+        if keep:
+            ctx.seq_rm(0, keep, -1)
+        else:
+            ctx.clear()
+            drafter.reset()
         layers = list(drafter.capture_layers)
         if layers:
             ctx.set_capture_layers(layers, masked=False)
         step = min(ctx.n_batch, self._batch.capacity)
-        for start in range(0, len(tokens), step):
+        for start in range(keep, len(tokens), step):
             chunk = tokens[start:start + step]
             self._decode_chunk(chunk, start, last=start + step >= len(tokens))
             drafter.observe(chunk, ctx.capture().copy() if layers else None, start)
@@ -219,7 +238,8 @@ class Speculator:
     # --- convenience ---------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 stream: bool = False, stop_at_eog: bool = True, add_special: bool = True):
+                 stream: bool = False, stop_at_eog: bool = True, add_special: bool = True,
+                 reuse_prefix: bool = False):
         """Generate with speculative decoding; temperature 0 reproduces plain greedy decoding exactly.
 
         Args:
@@ -229,6 +249,8 @@ class Speculator:
             stop: a string or a list of strings that end the generation; the text is cut before the stop
                 string (also when it spans a block boundary).
             stream: return an iterator of TokenEvent (with ``from_draft``) as tokens are committed.
+            reuse_prefix: keep the target's and the drafter's memory of the prefix this prompt shares with
+                this Speculator's last generation (see ``pyllama_dspark.generate``).
 
         Returns:
             GenerationResult (text, tokens, stop_reason, stats), or an iterator of TokenEvent.
@@ -242,7 +264,8 @@ class Speculator:
         tokens = prompt_tokens(self.target, prompt, add_special=add_special)
         stats = self.last_stats = SpecStats()  # also readable while streaming
         result = GenerationResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
-        steps = self.run(tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog, stats=stats)
+        steps = self.run(tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog, stats=stats,
+                         reuse_prefix=bool(reuse_prefix))
         pairs = ((token, drafted) for step in steps for token, drafted in zip(step.tokens, step.from_draft))
         events = stream_events(self.target.model, pairs, stop, result, close=steps.close)
         if stream:

@@ -30,6 +30,7 @@ class SpecStats:
     t_draft: float = 0.0
     t_verify: float = 0.0
     stop_reason: str = ""
+    n_reused: int = 0  # prompt tokens whose memory a previous generation left (reuse_prefix)
 
     def observe_round(self, n_drafted: int, n_accepted: int) -> None:
         """Record one verify decode that checked n_drafted draft tokens and accepted n_accepted."""
@@ -75,7 +76,8 @@ class SpecStats:
     def format(self) -> str:
         """An aligned `key = value` block, like speculative-simple's."""
         rows = [
-            ("n_prompt", self.n_prompt), ("n_generated", self.n_generated), ("rounds", self.rounds),
+            ("n_prompt", self.n_prompt), ("n_reused", self.n_reused), ("n_generated", self.n_generated),
+            ("rounds", self.rounds),
             ("plain_steps", self.plain_steps),
             ("n_drafted", self.drafted), ("n_accepted", self.accepted),
             ("accept", f"{100 * self.accept_rate:.3f}%"), ("tau", f"{self.tau:.3f}"),
@@ -88,7 +90,8 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         return {
-            "n_prompt": self.n_prompt, "n_generated": self.n_generated, "rounds": self.rounds,
+            "n_prompt": self.n_prompt, "n_reused": self.n_reused, "n_generated": self.n_generated,
+            "rounds": self.rounds,
             "plain_steps": self.plain_steps,
             "drafted": self.drafted, "accepted": self.accepted, "accept_rate": self.accept_rate, "tau": self.tau,
             "accepted_per_pos": list(self.accepted_per_pos), "reached_per_pos": list(self.reached_per_pos),
