@@ -151,7 +151,7 @@ class LLM:
                "usage": {"prompt_tokens": result.n_prompt, "completion_tokens": len(result.tokens),
                          "total_tokens": result.n_prompt + len(result.tokens)}}
         if self.speculator is not None:
-            out["speculative"] = _speculative_figures(result)
+            out["speculative"] = result.stats.as_dict()
         return out
 
     def _chunks(self, events: Iterator[TokenEvent], head: dict, chat: bool) -> Iterator[dict]:
@@ -191,8 +191,3 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _speculative_figures(result: GenerationResult) -> dict:
-    st = result.stats
-    return {"rounds": st.rounds, "drafted": st.drafted, "accepted": st.accepted, "accept_rate": st.accept_rate,
-            "tau": st.tau, "decode_tok_s": st.decode_tok_s}

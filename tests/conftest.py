@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
+
+import gguf
 import pytest
 
 from pyllama_dspark.model import quantize
@@ -38,3 +41,13 @@ def quantized(make_model, tmp_path_factory):
         return cache[arch, qtype]
 
     return get
+
+
+def copy_with_value(src, dst, key: str, value: int):
+    """A copy of the GGUF at src whose scalar metadata ``key`` holds ``value`` (rewritten in place)."""
+    shutil.copy(src, dst)
+    reader = gguf.GGUFReader(dst, "r+")
+    field = reader.fields[key]
+    field.parts[field.data[0]][0] = value
+    del reader  # flushes the memory map
+    return dst

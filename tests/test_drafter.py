@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
-
-import gguf
 
 import numpy as np
 import pytest
 
 import dspark_reference as ref
+from conftest import copy_with_value
 from pyllama_dspark import Batch, Context, Model
 from pyllama_dspark.convert.converter import convert
 from pyllama_dspark.drafter import DrafterError, DSparkDrafter, PromptLookupDrafter
@@ -170,12 +168,8 @@ def test_incompatible_target_is_refused(make_drafter, model_dir, tmp_path):
             ctx = Context(model, n_ctx=64)
             with pytest.raises(DrafterError, match=message):
                 DSparkDrafter(path, ctx)
-    outside = tmp_path / "mask-outside.gguf"
-    shutil.copy(path, outside)
-    reader = gguf.GGUFReader(outside, "r+")
-    field = reader.fields["tokenizer.ggml.mask_token_id"]
-    field.parts[field.data[0]][0] = 256  # the target's vocabulary is 0..255
-    del reader
+    # the target's vocabulary is 0..255
+    outside = copy_with_value(path, tmp_path / "mask-outside.gguf", "tokenizer.ggml.mask_token_id", 256)
     with Model(tiny_model(TARGET, cache_dir=model_dir)) as model:
         ctx = Context(model, n_ctx=64)
         with pytest.raises(DrafterError, match="not a DFlash"):

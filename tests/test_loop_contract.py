@@ -7,14 +7,11 @@ one plain decode with capture for the rows, a fresh context for the memory after
 
 from __future__ import annotations
 
-import shutil
-
-import gguf
 import numpy as np
 import pytest
 
 import drafters
-from conftest import ARCHS
+from conftest import ARCHS, copy_with_value
 from pyllama_dspark import Context, Model, generate
 from pyllama_dspark.batch import Batch
 from pyllama_dspark.speculative import Speculator
@@ -42,13 +39,7 @@ def spec_context(model):
 
 def with_eos(src, tmp_path, token: int):
     """A copy of the GGUF at src whose end-of-sequence token is ``token``."""
-    path = tmp_path / f"eos-{token}.gguf"
-    shutil.copy(src, path)
-    reader = gguf.GGUFReader(path, "r+")
-    field = reader.fields["tokenizer.ggml.eos_token_id"]
-    field.parts[field.data[0]][0] = token
-    del reader  # flushes the memory map
-    return path
+    return copy_with_value(src, tmp_path / f"eos-{token}.gguf", "tokenizer.ggml.eos_token_id", token)
 
 
 @pytest.mark.parametrize("stream", [False, True])
