@@ -13,6 +13,9 @@ import collections
 import logging
 
 logger = logging.getLogger("pyllama_dspark.native")
+# A library's loggers print nothing until the application configures logging (without a handler Python's
+# last-resort handler would print every native warning, e.g. llama.cpp's vocabulary notes, at each load).
+logging.getLogger("pyllama_dspark").addHandler(logging.NullHandler())
 
 _NATIVE_DEBUG, _NATIVE_INFO, _NATIVE_CONT = 1, 2, 5
 _TO_PYTHON = {_NATIVE_DEBUG: logging.DEBUG, _NATIVE_INFO: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}

@@ -29,8 +29,8 @@ from .speculative import Speculator
 
 
 def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str] | Any | None = None, *,
-         n_ctx: int = 4096, n_threads: int | None = None, n_draft: int | None = None, n_gpu_layers: int = 0,
-         **context_kwargs) -> LLM:
+         n_ctx: int = 4096, n_threads: int | None = None, n_draft: int | None = None, n_draft_min: int = 0,
+         p_min: float = 0.0, n_gpu_layers: int = 0, **context_kwargs) -> LLM:
     """Load a target model (and optionally a DSpark drafter) ready to generate.
 
     Args:
@@ -40,6 +40,8 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
         n_ctx: context size in tokens.
         n_threads: CPU threads (None: llama.cpp's default).
         n_draft: drafts per round; None picks it per round from measured costs (see ``Speculator``).
+        n_draft_min: drafts shorter than this are dropped (the round becomes a plain decode step).
+        p_min: a DSpark drafter's drafts are cut at the first slot whose confidence is below p_min.
         n_gpu_layers: layers to offload (GPU builds).
         context_kwargs: further ``Context`` arguments (``n_batch``, ``kv_type``, ``consistent_numerics``...).
 
@@ -55,7 +57,7 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
     model = Model(target, n_gpu_layers=n_gpu_layers) if owns_model else target
     try:
         return LLM(model, drafter, owns_model=owns_model, n_ctx=n_ctx, n_threads=n_threads, n_draft=n_draft,
-                   n_gpu_layers=n_gpu_layers, **context_kwargs)
+                   n_draft_min=n_draft_min, p_min=p_min, n_gpu_layers=n_gpu_layers, **context_kwargs)
     except BaseException:
         if owns_model:
             model.close()
@@ -72,7 +74,8 @@ class LLM:
     """
 
     def __init__(self, model: Model, drafter, *, owns_model: bool, n_ctx: int, n_threads: int | None,
-                 n_draft: int | None, n_gpu_layers: int, **context_kwargs):
+                 n_draft: int | None, n_gpu_layers: int, n_draft_min: int = 0, p_min: float = 0.0,
+                 **context_kwargs):
         self.model, self._owns_model = model, owns_model
         is_path = isinstance(drafter, (str, os.PathLike))
         block = DSparkDrafter.peek_block_size(drafter) if is_path else getattr(drafter, "block_size", 0)
@@ -81,9 +84,11 @@ class LLM:
         self.ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads, **context_kwargs)
         try:
             if is_path:
-                drafter = DSparkDrafter(drafter, self.ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+                drafter = DSparkDrafter(drafter, self.ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
+                                        p_min=p_min)
             self.drafter = drafter
-            self.speculator = Speculator(self.ctx, drafter, n_draft=n_draft) if drafter is not None else None
+            self.speculator = (Speculator(self.ctx, drafter, n_draft=n_draft, n_draft_min=n_draft_min)
+                               if drafter is not None else None)
         except BaseException:
             self.ctx.close()
             raise

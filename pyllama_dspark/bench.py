@@ -121,14 +121,18 @@ class BenchSummary:
 
 
 def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], prompts: list[dict], *,
-              n_predict: int, n_draft: int | None = None, n_threads: int | None = None, n_ctx: int = 4096,
-              n_batch: int = 512, temperature: float = 0.0, seed: int | None = 0) -> Iterator[PromptResult]:
+              n_predict: int, n_draft: int | None = None, n_draft_min: int = 0, p_min: float = 0.0,
+              n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
+              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+              seed: int | None = 0) -> Iterator[PromptResult]:
     """Yield one PromptResult per prompt: plain, then speculative decoding, in two contexts of the same settings
     (the plain one has no capture, so it pays nothing for the drafter).
 
     Args:
         drafter: a DSpark drafter GGUF, or a function that makes a Drafter for the speculative context.
         n_draft: fixed draft length; None = cost-aware (the Speculator's default).
+        n_draft_min, p_min: as ``Speculator`` and ``DSparkDrafter`` take them.
+        temperature, top_k, top_p, seed: the sampling of both runs (one seed for both).
 
     Raises:
         ValueError: chat prompts for a model without a chat template (checked before any decoding).
@@ -140,7 +144,8 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
     else:
         path = drafter
         block = int(DSparkDrafter.peek_block_size(path))
-        make_drafter = lambda ctx: DSparkDrafter(path, ctx, n_threads=n_threads)  # noqa: E731
+        make_drafter = lambda ctx: DSparkDrafter(path, ctx, n_threads=n_threads,  # noqa: E731
+                                                 n_gpu_layers=n_gpu_layers, p_min=p_min)
         k_rs = block if n_draft is None else min(n_draft, block)
     hybrid = model.is_hybrid or model.is_recurrent
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
@@ -148,15 +153,17 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
     plain_ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
     spec_drafter = make_drafter(ctx)
     try:
-        spec = Speculator(ctx, spec_drafter, n_draft=n_draft)
+        spec = Speculator(ctx, spec_drafter, n_draft=n_draft, n_draft_min=n_draft_min)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         for index, item in enumerate(prompts):
             # token ids (the training evaluation), a text, or chat messages
             text = (item["tokens"] if "tokens" in item else item["prompt"] if "prompt" in item
                     else model.apply_chat_template(item["messages"]))
-            plain = generate(plain_ctx, text, max_tokens=n_predict, temperature=temperature, seed=seed)
+            plain = generate(plain_ctx, text, max_tokens=n_predict, temperature=temperature, top_k=top_k,
+                             top_p=top_p, seed=seed)
             tokens = prompt_tokens(ctx, text)
             stats = SpecStats()
-            sampler = Sampler(SamplingParams(temperature=temperature, seed=seed))
+            sampler = Sampler(params)
             sp_tokens = [t for step in spec.run(tokens, max_tokens=n_predict, sampler=sampler, stats=stats)
                          for t in step.tokens]
             yield PromptResult(index=index, n_prompt=len(tokens), ar_tokens=plain.tokens, sp_tokens=sp_tokens,

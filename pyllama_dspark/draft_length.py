@@ -75,6 +75,10 @@ class CostTable:
         measured = self._measured[name]
         return np.where(np.isnan(measured), self._fits[name], measured)
 
+    def measured(self, name: str) -> list[int]:
+        """The row counts with a measurement of ``name`` ("verify" or "draft")."""
+        return [int(n) for n in np.flatnonzero(~np.isnan(self._measured[name]))]
+
     def verify(self, n: int) -> float:
         return float(self._estimates("verify")[n])
 

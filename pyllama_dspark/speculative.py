@@ -30,7 +30,7 @@ import numpy as np
 from . import checks
 from .batch import Batch
 from .context import Context
-from .draft_length import DraftLengthChooser
+from .draft_length import CostTable, DraftLengthChooser
 from .drafter import Draft, Drafter
 from .generate import GenerationResult, prompt_tokens, sampling_params, stream_events
 from .sampling import Sampler, probabilities
@@ -83,6 +83,8 @@ class Speculator:
         n_draft_min = checks.integer("n_draft_min", n_draft_min)
         block = int(drafter.block_size)
         self.draft_length = DraftLengthChooser(block) if n_draft is None else None
+        # measured round costs: the chooser's own table, or one kept only for plain_tok_s_estimate
+        self.costs = self.draft_length.costs if self.draft_length is not None else CostTable(block)
         n_draft = block if n_draft is None else int(n_draft)
         if n_draft < 0 or n_draft_min < 0:
             raise ValueError(f"n_draft and n_draft_min must be >= 0, got {n_draft} and {n_draft_min}")
@@ -104,6 +106,16 @@ class Speculator:
         """The n_rs_seq a hybrid target's Context needs for drafts of n_draft tokens: a verify of
         [anchor, d0..dk-1] may have to drop all k drafts."""
         return n_draft
+
+    def plain_tok_s_estimate(self) -> float | None:
+        """Tokens per second plain decoding would reach here, from this Speculator's measured rounds: the time of
+        a one-row verify (measured when the loop took plain steps, else extrapolated from the measured row counts
+        as ``CostTable`` does). An estimate: a plain step here also feeds the drafter, so it errs low. None before
+        any round was measured."""
+        if not self.costs.measured("verify"):
+            return None
+        seconds = self.costs.verify(1)
+        return 1.0 / seconds if seconds > 0 else None
 
     # --- the loop ---------------------------------------------------------------------
     def run(self, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler | None = None,
@@ -221,6 +233,8 @@ class Speculator:
         stats.observe_round(k, n)
         if self.draft_length is not None:
             self.draft_length.observe_round(k, n, t1 - t0, t2 - t1, k_drafted=n_drafted)
+        else:
+            self.costs.observe(k, t1 - t0, t2 - t1, k_drafted=n_drafted)
         stats.t_draft += t1 - t0
         stats.t_verify += t2 - t1
         committed = [int(t) for t in drafts[:n]] + [token]

@@ -160,3 +160,32 @@ def test_wrong_argument_types_raise_type_errors_that_name_the_argument(target, d
         pyllama_dspark.load(target, n_ctx="4096")
     with pytest.raises(TypeError, match="target must be a GGUF path or a Model"):
         pyllama_dspark.load(42)
+
+
+def test_n_ctx_rounding_is_logged_and_visible(target, caplog):
+    with Model(target) as model, caplog.at_level("INFO", logger="pyllama_dspark"):
+        ctx = Context(model, n_ctx=32)
+        assert ctx.n_ctx == 256
+    assert "n_ctx 32 rounded up to 256 by llama.cpp" in caplog.text
+
+
+def test_the_library_prints_nothing_unless_logging_is_configured(target, drafter_path):
+    """Native warnings go to the ``pyllama_dspark`` loggers, which have a NullHandler: a script that configures
+    no logging sees no native lines on stderr (Python's last-resort handler would print every warning)."""
+    import subprocess
+    import sys
+
+    code = ("import pyllama_dspark, logging\n"
+            "logging.getLogger('pyllama_dspark.native').warning('a native warning')\n"
+            f"with pyllama_dspark.load({str(target)!r}, drafter={str(drafter_path)!r}, n_ctx=32) as llm:\n"
+            "    print(llm.generate('Hello', max_tokens=4).text)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() and proc.stderr == "", proc.stderr
+
+
+def test_load_passes_the_draft_cut_settings_on(target, drafter_path):
+    with pyllama_dspark.load(target, drafter=drafter_path, n_draft=3, n_draft_min=2, p_min=0.25) as llm:
+        assert (llm.speculator.n_draft, llm.speculator.n_draft_min, llm.drafter.p_min) == (3, 2, 0.25)
+        assert llm.speculator.plain_tok_s_estimate() is None  # nothing measured yet
+        llm.generate(PROMPT, max_tokens=16)
+        assert llm.speculator.plain_tok_s_estimate() > 0

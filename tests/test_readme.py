@@ -1,8 +1,9 @@
-"""The README's Python examples run as written, on tiny models saved as target.gguf and drafter.gguf (so the
-examples cannot drift from the API)."""
+"""The README's Python examples and its CLI examples run as written, on tiny models saved as target.gguf and
+drafter.gguf (so the examples cannot drift from the API or the command line)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -16,6 +17,9 @@ from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_check
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+CLI_SECTION = README.read_text().split("\n## CLI\n", 1)[1].split("\n## ", 1)[0]
+COMMANDS = [line for block in re.findall(r"^```sh\n(.*?)^```", CLI_SECTION, flags=re.M | re.S)
+            for line in block.splitlines() if "pyllama-dspark " in line]
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +30,8 @@ def workdir(model_dir, tmp_path_factory):
     shutil.copy(target, folder / "target.gguf")
     ck = write_tiny_dspark_checkpoint(folder / "ck", target=spec, block_size=4, target_cache_dir=model_dir)
     convert(ck, folder / "drafter.gguf", target_gguf=target)
+    (folder / "prompts.jsonl").write_text('{"prompt": "Once upon a time"}\n'
+                                          '{"messages": [{"role": "user", "content": "Hello!"}]}\n')
     return folder
 
 
@@ -38,3 +44,19 @@ def test_readme_python_example_runs(workdir, index):
     proc = subprocess.run([sys.executable, "-c", BLOCKS[index]], cwd=workdir, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, f"README python block {index + 1}:\n{BLOCKS[index]}\n{proc.stderr[-3000:]}"
+
+
+def test_the_readme_has_cli_examples_for_every_everyday_command():
+    for command in ("generate", "chat", "bench", "info", "demo"):
+        assert any(f"pyllama-dspark {command} " in line for line in COMMANDS), command
+
+
+@pytest.mark.parametrize("index", range(len(COMMANDS)))
+def test_readme_cli_example_runs(workdir, index):
+    """Each command line of the README's CLI section, through a shell, with this interpreter's scripts first on
+    PATH (where ``pip install`` put ``pyllama-dspark``)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.run(COMMANDS[index], shell=True, cwd=workdir, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, f"README CLI example {index + 1}:\n{COMMANDS[index]}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr
