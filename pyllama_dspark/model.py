@@ -54,7 +54,7 @@ class Model(Owned):
                  use_extra_bufts: bool = False):
         self.path = Path(path)
         self.vocab_only = bool(vocab_only)
-        _check_gguf_file(self.path)
+        header = _check_gguf_file(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.vocab_only = bool(vocab_only)
@@ -67,7 +67,7 @@ class Model(Owned):
         self._set_ptr(ptr)
         _OPEN_MODELS.add(self)
         self._vocab = lib.llama_model_get_vocab(ptr)
-        self._gguf_header = None
+        self._gguf_header = header
 
     def _free(self, ptr) -> None:
         lib.llama_model_free(ptr)
@@ -285,7 +285,12 @@ class Model(Owned):
         return ids.astype(np.int32)
 
 
-def _check_gguf_file(path: Path) -> None:
+def _check_gguf_file(path: Path):
+    """The file's parsed header, after the checks llama.cpp would fail an assertion on (and abort) rather than
+    return an error: a header our reader cannot walk, and metadata numbers that are NaN or infinite, or a
+    negative norm epsilon (GGML_ASSERT(eps >= 0) in the first decode). Raises ModelLoadError."""
+    from .gguf_header import GGUFFormatError, GGUFHeader
+
     if not path.exists():
         raise FileNotFoundError(f"model file not found: {str(path)!r}")
     if not path.is_file():
@@ -294,6 +299,17 @@ def _check_gguf_file(path: Path) -> None:
         magic = fh.read(4)
     if magic != _GGUF_MAGIC:
         raise ModelLoadError(f"{str(path)!r} is not a GGUF file (magic {magic!r})", op="open")
+    try:
+        header = GGUFHeader(path)
+    except GGUFFormatError as exc:
+        raise ModelLoadError(str(exc), op="open") from None
+    for key, value in header.fields.items():
+        values = value if isinstance(value, np.ndarray) and value.dtype.kind == "f" else [value]
+        if any(isinstance(v, (float, np.floating)) and not np.isfinite(v) for v in values):
+            raise ModelLoadError(f"{path.name}: metadata {key} is not a finite number", op="open")
+        if key.endswith("epsilon") and isinstance(value, (int, float)) and value < 0:
+            raise ModelLoadError(f"{path.name}: metadata {key} = {value} must not be negative", op="open")
+    return header
 
 
 def _read_string(call, size: int = 256) -> str | None:

@@ -174,12 +174,14 @@ def test_the_library_prints_nothing_unless_logging_is_configured(target, drafter
     no logging sees no native lines on stderr (Python's last-resort handler would print every warning)."""
     import subprocess
     import sys
+    import tempfile
 
     code = ("import pyllama_dspark, logging\n"
             "logging.getLogger('pyllama_dspark.native').warning('a native warning')\n"
             f"with pyllama_dspark.load({str(target)!r}, drafter={str(drafter_path)!r}, n_ctx=32) as llm:\n"
             "    print(llm.generate('Hello', max_tokens=4).text)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=tempfile.gettempdir())  # not the source tree, whose package is uncompiled
     assert proc.returncode == 0 and proc.stdout.strip() and proc.stderr == "", proc.stderr
 
 

@@ -21,10 +21,11 @@ from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_check
 SPEC = TinySpec(arch="llama", n_layer=2, vocab="llama-spm")
 
 
-def cli(*args: str, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, env_extra: dict[str, str] | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess, run outside the source tree (whose uncompiled package would shadow the install)."""
     env = {**os.environ, **(env_extra or {})}
     return subprocess.run([sys.executable, "-m", "pyllama_dspark", *args], capture_output=True, text=True,
-                          errors="replace", cwd=tempfile.gettempdir(), timeout=600, env=env)
+                          errors="replace", cwd=tempfile.gettempdir(), timeout=600, env=env, input=stdin)
 
 
 @pytest.fixture(scope="module")
@@ -193,9 +194,8 @@ def test_chat_keeps_the_conversation_and_its_memory(pair, model_dir):
     target = tiny_model(spec, cache_dir=model_dir)
     _, drafter = pair  # made for SPEC; the chatml model shares its weights and vocabulary
     turns = ["Hello there", "Tell me more", "/reset", "Hello there", "/exit", "never read"]
-    proc = subprocess.run([sys.executable, "-m", "pyllama_dspark", "chat", "-m", str(target), "-md", str(drafter),
-                           "--system", "Be brief.", "-n", "12", "--stats"], input="\n".join(turns) + "\n",
-                          capture_output=True, text=True, timeout=600)
+    proc = cli("chat", "-m", str(target), "-md", str(drafter), "--system", "Be brief.", "-n", "12", "--stats",
+               stdin="\n".join(turns) + "\n")
     assert proc.returncode == 0, proc.stderr
     replies = proc.stdout.split("\n")[:-1]
     with pyllama_dspark.load(target) as llm:
@@ -216,8 +216,7 @@ def test_chat_keeps_the_conversation_and_its_memory(pair, model_dir):
 
 def test_chat_refuses_a_model_without_a_template(pair):
     target, _ = pair
-    proc = subprocess.run([sys.executable, "-m", "pyllama_dspark", "chat", "-m", str(target)], input="Hi\n",
-                          capture_output=True, text=True, timeout=600)
+    proc = cli("chat", "-m", str(target), stdin="Hi\n")
     assert proc.returncode == 1 and "has no chat template" in proc.stderr.splitlines()[-1], proc.stderr
 
 

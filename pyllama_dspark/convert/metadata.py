@@ -13,6 +13,7 @@ converter wrote from the same tokenizer. Without one it writes a
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -29,20 +30,36 @@ __all__ = ["build_metadata"]
 _ROPE_SCALING_TYPES = {"linear": "linear", "yarn": "yarn", "su": "longrope", "longrope": "longrope"}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _u32(template: str, value: Any) -> keys.KV:
-    return keys.arch_key(template), int(value), VT.UINT32, None
+    key = keys.arch_key(template)
+    if not _is_int(value) or not 0 <= value < 1 << 32:
+        raise InvalidConfigError(f"{key} must be an integer in [0, 2^32), got {value!r}")
+    return key, value, VT.UINT32, None
 
 
 def _f32(template: str, value: Any) -> keys.KV:
-    return keys.arch_key(template), float(value), VT.FLOAT32, None
+    key = keys.arch_key(template)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise InvalidConfigError(f"{key} must be a finite number, got {value!r}")
+    return key, float(value), VT.FLOAT32, None
 
 
 def _bool(template: str, value: Any) -> keys.KV:
-    return keys.arch_key(template), bool(value), VT.BOOL, None
+    key = keys.arch_key(template)
+    if not isinstance(value, bool):
+        raise InvalidConfigError(f"{key} must be true or false, got {value!r}")
+    return key, value, VT.BOOL, None
 
 
 def _i32s(template: str, values: list[int]) -> keys.KV:
-    return keys.arch_key(template), [int(v) for v in values], VT.ARRAY, VT.INT32
+    key = keys.arch_key(template)
+    if not isinstance(values, (list, tuple)) or not all(_is_int(v) and -(1 << 31) <= v < 1 << 31 for v in values):
+        raise InvalidConfigError(f"{key} must be a list of 32-bit integers, got {values!r}")
+    return key, list(values), VT.ARRAY, VT.INT32
 
 
 def _optional(kvs: list[keys.KV], make: Any, template: str, value: Any) -> None:
@@ -118,9 +135,11 @@ def _rope(cfg: DraftConfig, target: TargetInfo | None) -> list[keys.KV]:
         kvs.append(_i32s(keys.ROPE_DIMENSION_SECTIONS, sections + [0] * (4 - len(sections))))
     _optional(kvs, _f32, keys.ROPE_FREQ_BASE, params.get("rope_theta"))
     _optional(kvs, _f32, keys.ROPE_FREQ_BASE_SWA, rp.get("sliding_attention", {}).get("rope_theta"))
-    head_dim = cfg.hparams.get("head_dim") or cfg.n_embd // cfg.n_head
-    if rp.get("partial_rotary_factor") is not None:
-        kvs.append(_u32(keys.ROPE_DIMENSION_COUNT, int(head_dim * rp["partial_rotary_factor"])))
+    head_dim = cfg.head_dim
+    factor = rp.get("partial_rotary_factor")
+    if factor is not None:
+        _f32(keys.ROPE_DIMENSION_COUNT, factor)  # a number, or InvalidConfigError naming the key
+        kvs.append(_u32(keys.ROPE_DIMENSION_COUNT, int(head_dim * factor)))
     if target is not None and target.uses_mrope:
         # the draft ropes on the temporal dimension only (DFlashModel.set_gguf_parameters)
         kvs.append(_i32s(keys.ROPE_DIMENSION_SECTIONS, [head_dim // 2, 0, 0, 0]))
@@ -143,7 +162,7 @@ def _attention_options(cfg: DraftConfig) -> list[keys.KV]:
     _optional(kvs, _f32, keys.VALUE_SCALE, nested.get("attention_value_scale"))
     _optional(kvs, _f32, keys.LOGIT_SCALE, cfg.dflash("output_multiplier"))
     softcap = cfg.dflash("final_logit_softcapping")
-    if softcap is not None and float(softcap) > 0:
+    if softcap is not None and _f32(keys.FINAL_LOGIT_SOFTCAPPING, softcap)[1] > 0:
         kvs.append(_f32(keys.FINAL_LOGIT_SOFTCAPPING, softcap))
     _optional(kvs, _f32, keys.EMBEDDING_SCALE, cfg.dflash("input_embedding_scale"))
     return kvs

@@ -102,11 +102,17 @@ def _read_header(path: Path) -> tuple[dict, int]:
 
 
 def _tensor_ref(path: Path, name: str, meta: dict, data_start: int, data_size: int) -> TensorRef:
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
     try:
-        dtype, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+        dtype, shape, (begin, end) = meta["dtype"], meta["shape"], meta["data_offsets"]
+        if not (isinstance(shape, list) and all(map(whole, shape)) and whole(begin) and whole(end)):
+            raise TypeError
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {meta!r}") from None
-    if dtype not in _NUMPY_DTYPES:
+    shape = tuple(shape)
+    if not isinstance(dtype, str) or dtype not in _NUMPY_DTYPES:
         raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
     expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(_NUMPY_DTYPES[dtype]).itemsize
     if not 0 <= begin <= end <= data_size or end - begin != expected:
