@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
+from typing import NamedTuple
 
 import gguf
 import pytest
@@ -24,6 +26,33 @@ def make_model(model_dir):
 
     def build(**fields):
         return tiny_model(TinySpec(**fields), cache_dir=model_dir)
+
+    return build
+
+
+class TinyPair(NamedTuple):
+    target: Path  # the tiny target GGUF
+    drafter: Path  # a random-weight DSpark drafter converted for it (with its vocabulary)
+    checkpoint: Path  # the HF checkpoint the drafter was converted from
+
+
+@pytest.fixture(scope="session")
+def make_pair(model_dir, tmp_path_factory):
+    """make_pair(spec, block_size=4) -> TinyPair, built once per (spec, block size)."""
+    from pyllama_dspark.convert.converter import convert
+    from pyllama_dspark.testing import write_tiny_dspark_checkpoint
+
+    cache = {}
+
+    def build(spec: TinySpec, block_size: int = 4) -> TinyPair:
+        if (spec, block_size) not in cache:
+            target = tiny_model(spec, cache_dir=model_dir)
+            folder = tmp_path_factory.mktemp("pair")
+            ck = write_tiny_dspark_checkpoint(folder / "ck", target=spec, block_size=block_size,
+                                              target_cache_dir=model_dir)
+            cache[spec, block_size] = TinyPair(target, convert(ck, folder / "drafter.gguf", target_gguf=target).path,
+                                               ck)
+        return cache[spec, block_size]
 
     return build
 

@@ -10,8 +10,7 @@ import pytest
 import drafters
 import pyllama_dspark
 from pyllama_dspark import Context, GenerationResult, Model, PromptLookupDrafter, Speculator, generate
-from pyllama_dspark.convert.converter import convert
-from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+from pyllama_dspark.testing import TinySpec, tiny_model
 
 SPEC = TinySpec(arch="llama", n_layer=3, vocab="llama-spm", chat_template="chatml")
 PROMPT = "The quick brown fox"
@@ -24,10 +23,8 @@ def target(model_dir):
 
 
 @pytest.fixture(scope="module")
-def drafter_path(target, model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("api-drafter")
-    ck = write_tiny_dspark_checkpoint(folder / "ck", target=SPEC, block_size=4, target_cache_dir=model_dir)
-    return convert(ck, folder / "drafter.gguf", target_gguf=target).path
+def drafter_path(make_pair):
+    return make_pair(SPEC).drafter
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from pyllama_dspark.cli import build_parser, slow_speculation_warning
-from pyllama_dspark.convert.converter import convert
 from pyllama_dspark.stats import SpecStats
-from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+from pyllama_dspark.testing import TinySpec, tiny_model
 
 SPEC = TinySpec(arch="llama", n_layer=2, vocab="llama-spm")
 
@@ -29,11 +28,8 @@ def cli(*args: str, env_extra: dict[str, str] | None = None, stdin: str | None =
 
 
 @pytest.fixture(scope="module")
-def pair(model_dir, tmp_path_factory):
-    target = tiny_model(SPEC, cache_dir=model_dir)
-    folder = tmp_path_factory.mktemp("cli")
-    ck = write_tiny_dspark_checkpoint(folder / "ck", target=SPEC, block_size=4, target_cache_dir=model_dir)
-    return target, convert(ck, folder / "drafter.gguf", target_gguf=target).path
+def pair(make_pair):
+    return make_pair(SPEC)[:2]
 
 
 def test_generate_plain_and_speculative_print_the_same_text(pair):

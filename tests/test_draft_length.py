@@ -8,7 +8,7 @@ import pytest
 from pyllama_dspark import Context, DSparkDrafter, Model, Speculator, generate
 from pyllama_dspark.draft_length import (CostTable, DraftLengthChooser, StaticCostTable, expected_tokens,
                                         expected_tokens_by_k)
-from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+from pyllama_dspark.testing import TinySpec, tiny_model
 
 from drafters import oracle
 
@@ -117,12 +117,8 @@ def target(model_dir):
 
 
 @pytest.fixture(scope="module")
-def random_drafter(target, model_dir, tmp_path_factory):
-    from pyllama_dspark.convert.converter import convert
-
-    folder = tmp_path_factory.mktemp("cost-aware")
-    ck = write_tiny_dspark_checkpoint(folder / "ck", target=SPEC, block_size=4, target_cache_dir=model_dir)
-    return convert(ck, folder / "drafter.gguf", target_gguf=target).path
+def random_drafter(make_pair):
+    return make_pair(SPEC).drafter
 
 
 def test_cost_aware_loop_with_a_random_drafter_settles_at_plain_steps_and_matches_greedy(target, random_drafter):

@@ -13,8 +13,7 @@ import shutil
 import pytest
 
 from fuzzing import FuzzReport, Worker, fuzz, gguf_slots, mutate_checkpoint, mutate_gguf
-from pyllama_dspark.convert.converter import convert
-from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+from pyllama_dspark.testing import TinySpec
 
 pytestmark = pytest.mark.fuzz
 SPEC = TinySpec(arch="llama", n_layer=2, vocab="llama-spm")
@@ -23,12 +22,8 @@ SEED = int(os.environ.get("PYLLAMA_DSPARK_FUZZ_SEED", "0"))
 
 
 @pytest.fixture(scope="module")
-def inputs(model_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fuzz-inputs")
-    target = tiny_model(SPEC, cache_dir=model_dir)
-    checkpoint = write_tiny_dspark_checkpoint(folder / "ck", target=SPEC, block_size=4, target_cache_dir=model_dir)
-    drafter = convert(checkpoint, folder / "drafter.gguf", target_gguf=target).path
-    return {"target": target, "drafter": drafter, "checkpoint": checkpoint}
+def inputs(make_pair):
+    return make_pair(SPEC)._asdict()
 
 
 @pytest.fixture(scope="module")

@@ -9,21 +9,16 @@ import pytest
 
 from conftest import ARCHS
 from pyllama_dspark import Batch, Context, Model, Speculator, generate
-from pyllama_dspark.convert.converter import convert
 from pyllama_dspark.drafter import DSparkDrafter
-from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+from pyllama_dspark.testing import TinySpec
 
 TURN_1 = [5, 17, 42, 99, 3, 250, 7, 11]
 N = 12
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def pair(request, model_dir, tmp_path_factory):
-    spec = TinySpec(arch=request.param, n_layer=3)
-    target = tiny_model(spec, cache_dir=model_dir)
-    folder = tmp_path_factory.mktemp(f"reuse-{request.param}")
-    ck = write_tiny_dspark_checkpoint(folder / "ck", target=spec, block_size=4, target_cache_dir=model_dir)
-    return request.param, target, convert(ck, folder / "drafter.gguf", target_gguf=target).path
+def pair(request, make_pair):
+    return request.param, *make_pair(TinySpec(arch=request.param, n_layer=3))[:2]
 
 
 def fresh_plain(model, prompt):

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pyllama_dspark.convert.converter import convert
-from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+from pyllama_dspark.testing import TinySpec
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.M | re.S)
@@ -23,13 +22,11 @@ COMMANDS = [line for block in re.findall(r"^```sh\n(.*?)^```", CLI_SECTION, flag
 
 
 @pytest.fixture(scope="module")
-def workdir(model_dir, tmp_path_factory):
+def workdir(make_pair, tmp_path_factory):
     folder = tmp_path_factory.mktemp("readme")
-    spec = TinySpec(arch="llama", n_layer=3, vocab="llama-spm", chat_template="chatml")
-    target = tiny_model(spec, cache_dir=model_dir)
-    shutil.copy(target, folder / "target.gguf")
-    ck = write_tiny_dspark_checkpoint(folder / "ck", target=spec, block_size=4, target_cache_dir=model_dir)
-    convert(ck, folder / "drafter.gguf", target_gguf=target)
+    pair = make_pair(TinySpec(arch="llama", n_layer=3, vocab="llama-spm", chat_template="chatml"))
+    shutil.copy(pair.target, folder / "target.gguf")
+    shutil.copy(pair.drafter, folder / "drafter.gguf")
     (folder / "prompts.jsonl").write_text('{"prompt": "Once upon a time"}\n'
                                           '{"messages": [{"role": "user", "content": "Hello!"}]}\n')
     return folder

@@ -14,8 +14,7 @@ import pytest
 
 import drafters
 from pyllama_dspark import Context, DSparkDrafter, Model, Speculator, generate
-from pyllama_dspark.convert.converter import convert
-from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+from pyllama_dspark.testing import TinySpec
 
 SPEC = TinySpec(arch="llama", n_layer=2, vocab="llama-spm")
 PROMPTS = ["Once upon a time", "The quick brown fox", "Hello world", "In the beginning",
@@ -24,11 +23,8 @@ N = 24
 
 
 @pytest.fixture(scope="module")
-def pair(model_dir, tmp_path_factory):
-    target = tiny_model(SPEC, cache_dir=model_dir)
-    folder = tmp_path_factory.mktemp("reliability")
-    ck = write_tiny_dspark_checkpoint(folder / "ck", target=SPEC, block_size=4, target_cache_dir=model_dir)
-    return target, convert(ck, folder / "drafter.gguf", target_gguf=target).path
+def pair(make_pair):
+    return make_pair(SPEC)[:2]
 
 
 @pytest.fixture(scope="module")

@@ -52,15 +52,11 @@ def test_bench_verify_cost_small(tmp_path, make_model):
     assert set(result["ceiling"]["speedup"]) == {"k1", "k2"}
 
 
-def test_bench_contention_small(tmp_path, model_dir):
+def test_bench_contention_small(tmp_path, make_pair):
     """One and two processes, plain and speculative, two policies, on the tiny pair (a fraction of a second each)."""
-    from pyllama_dspark.convert.converter import convert
-    from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+    from pyllama_dspark.testing import TinySpec
 
-    spec = TinySpec(arch="llama", n_layer=2, vocab="llama-spm", chat_template="chatml")
-    target = tiny_model(spec, cache_dir=model_dir)
-    ck = write_tiny_dspark_checkpoint(tmp_path / "ck", target=spec, block_size=4, target_cache_dir=model_dir)
-    drafter = convert(ck, tmp_path / "drafter.gguf", target_gguf=target).path
+    target, drafter, _ = make_pair(TinySpec(arch="llama", n_layer=2, vocab="llama-spm", chat_template="chatml"))
     result = run_script("bench_contention.py", "--model", str(target), "--drafter", str(drafter), "--procs", "1,2",
                         "--seconds", "0.5", "--threads", "1", "--policies", "package,pure-spin", tmp_path=tmp_path)
     rows = {(r["mode"], r["policy"]): r for r in result["rows"]}
