@@ -82,6 +82,18 @@ class GGUFHeader:
             return out
         return v.tolist() if isinstance(v, np.ndarray) else v
 
+    def raw_strings(self, key: str) -> list[bytes]:
+        """A string array's items as the bytes stored (no decoding); [] if the key is absent or not one."""
+        v = self.fields.get(key)
+        if not isinstance(v, StringArray):
+            return []
+        out, pos = [], v.offset
+        for _ in range(v.count):
+            (n,) = struct.unpack_from("<Q", self._map, pos)
+            out.append(self._map[pos + 8:pos + 8 + n])
+            pos += 8 + n
+        return out
+
     def tensor_data(self, name: str) -> np.ndarray:
         """The tensor's stored data, shaped like ``gguf.GGUFReader``'s ``ReaderTensor.data``: float and int
         types as [..., ne0] arrays of that type, block-quantized types as uint8 [rows, bytes per row]."""

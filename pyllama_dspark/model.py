@@ -309,7 +309,49 @@ def _check_gguf_file(path: Path):
             raise ModelLoadError(f"{path.name}: metadata {key} is not a finite number", op="open")
         if key.endswith("epsilon") and isinstance(value, (int, float)) and value < 0:
             raise ModelLoadError(f"{path.name}: metadata {key} = {value} must not be negative", op="open")
+    _check_layer_and_expert_counts(path, header)
+    tokens = header.raw_strings("tokenizer.ggml.tokens")
+    if len(set(tokens)) != len(tokens):  # llama.cpp's vocabulary asserts that every token text is unique
+        raise ModelLoadError(f"{path.name}: tokenizer.ggml.tokens has {len(tokens) - len(set(tokens))} duplicate "
+                             "token texts", op="open")
     return header
+
+
+_MAX_LAYERS, _MAX_EXPERTS = 512, 1024  # llama-hparams.h: LLAMA_MAX_LAYERS, LLAMA_MAX_EXPERTS
+
+
+def _check_layer_and_expert_counts(path: Path, header) -> None:
+    """The counts llama.cpp's hyperparameter loading asserts on (llama_model::load_hparams) rather than
+    rejecting: found by fuzzing (a block_count of 32767 aborted the process)."""
+    arch = header.fields.get("general.architecture")
+    if not isinstance(arch, str):
+        return  # llama.cpp refuses a file without an architecture cleanly
+
+    def count(name: str, default: int = 0) -> int:
+        value = header.fields.get(f"{arch}.{name}", default)
+        if isinstance(value, np.ndarray):
+            value = int(value.max()) if value.size else 0
+        return value if isinstance(value, int) else default
+
+    def refuse(why: str) -> None:
+        raise ModelLoadError(f"{path.name}: {why}", op="open")
+
+    n_layer = count("block_count", 1)
+    if not 0 < n_layer <= _MAX_LAYERS:
+        refuse(f"{arch}.block_count {n_layer} is outside [1, {_MAX_LAYERS}]")
+    if count("nextn_predict_layers") > n_layer:
+        refuse(f"{arch}.nextn_predict_layers exceeds {arch}.block_count ({n_layer})")
+    n_expert, n_used = count("expert_count"), count("expert_used_count")
+    groups, groups_used = count("expert_group_count"), count("expert_group_used_count")
+    if n_expert > _MAX_EXPERTS or n_used > n_expert:
+        refuse(f"{arch}.expert_count {n_expert} / expert_used_count {n_used} out of range (at most {_MAX_EXPERTS}, "
+               "used <= count)")
+    if n_expert > 0 and (n_used == 0 or groups >= n_expert or (groups and (n_expert % groups or not
+                                                                            0 < groups_used < groups))):
+        refuse(f"{arch}: expert counts do not fit together (count {n_expert}, used {n_used}, groups {groups}, "
+               f"groups used {groups_used})")
+    if n_expert == 0 and (n_used or groups):
+        refuse(f"{arch}: expert_used_count / expert_group_count set without experts")
 
 
 def _read_string(call, size: int = 256) -> str | None:

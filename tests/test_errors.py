@@ -70,6 +70,20 @@ def test_corrupt_gguf_header(tmp_path, llama_path):
     assert "raised corrupt.gguf: implausible counts" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.block_count", 32767, "outside [1, 512]"),  # GGML_ASSERT in llama.cpp's hyperparameter loading
+    ("llama.attention.layer_norm_rms_epsilon", float("nan"), "not a finite number"),  # GGML_ASSERT(eps >= 0)
+    ("llama.attention.layer_norm_rms_epsilon", -1.0, "must not be negative"),
+])
+def test_metadata_llama_cpp_would_abort_on_is_refused_first(tmp_path, llama_path, key, value, message):
+    """Found by fuzzing: each of these aborted the process inside llama.cpp."""
+    from conftest import copy_with_value
+
+    bad = copy_with_value(llama_path, tmp_path / "bad.gguf", key, value)
+    with pytest.raises(ModelLoadError, match=message.replace("[", r"\[")):
+        Model(bad)
+
+
 @pytest.fixture
 def ctx(llama_path):
     model = Model(llama_path)
