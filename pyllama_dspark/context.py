@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import logging
+import os
 import threading
 
 import numpy as np

@@ -159,11 +159,7 @@ class Model(Owned):
 
     @property
     def gguf_header(self):
-        """The file's GGUF header (``gguf_header.GGUFHeader``: metadata, tensor table), read once."""
-        if self._gguf_header is None:
-            from .gguf_header import GGUFHeader
-
-            self._gguf_header = GGUFHeader(self.path)
+        """The file's GGUF header (``gguf_header.GGUFHeader``: metadata, tensor table), read once, before loading."""
         return self._gguf_header
 
     # --- vocabulary --------------------------------------------------------------------
@@ -311,9 +307,9 @@ def _check_gguf_file(path: Path):
             raise ModelLoadError(f"{path.name}: metadata {key} = {value} must not be negative", op="open")
     _check_layer_and_expert_counts(path, header)
     tokens = header.raw_strings("tokenizer.ggml.tokens")
-    if len(set(tokens)) != len(tokens):  # llama.cpp's vocabulary asserts that every token text is unique
-        raise ModelLoadError(f"{path.name}: tokenizer.ggml.tokens has {len(tokens) - len(set(tokens))} duplicate "
-                             "token texts", op="open")
+    duplicates = len(tokens) - len(set(tokens))
+    if duplicates:  # llama.cpp's vocabulary asserts that every token text is unique
+        raise ModelLoadError(f"{path.name}: tokenizer.ggml.tokens has {duplicates} duplicate token texts", op="open")
     return header
 
 
