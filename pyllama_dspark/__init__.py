@@ -29,6 +29,7 @@ from .errors import (  # noqa: E402
     LlamaError,
     MemoryOpError,
     ModelLoadError,
+    UnsupportedModeError,
 )
 from .draft_length import DraftLengthChooser  # noqa: E402
 from .drafter import Draft, Drafter, DrafterError, DSparkDrafter, PromptLookupDrafter  # noqa: E402
@@ -46,5 +47,5 @@ __all__ = [
     "Sampler", "SamplingParams", "build_info",
     "LlamaError", "ModelLoadError", "ContextInitError", "DecodeError", "KvCacheFullError",
     "DecodeAbortedError", "InvalidBatchError", "FatalDecodeError", "MemoryOpError", "CaptureError",
-    "ContextBusyError", "ClosedHandleError", "LibraryMismatchError",
+    "ContextBusyError", "ClosedHandleError", "LibraryMismatchError", "UnsupportedModeError",
 ]

@@ -30,11 +30,11 @@ from ._owned import Owned
 from . import capture as _capture
 from .batch import Batch, EmbdBatch
 from .errors import (CaptureError, ContextBusyError, ContextInitError, InvalidBatchError, LlamaError, MemoryOpError,
-                     decode_error)
+                     UnsupportedModeError, decode_error)
 from .model import Model
 
 
-_KV_TYPES = {"f16": lib.GGML_TYPE_F16, "f32": lib.GGML_TYPE_F32}
+_KV_TYPES = {"f16": lib.GGML_TYPE_F16, "f32": lib.GGML_TYPE_F32, "q8_0": lib.GGML_TYPE_Q8_0}
 
 
 def _serialised(method):
@@ -70,16 +70,19 @@ class Context(Owned):
             up to that many trailing tokens with ``seq_rm`` (0 = no partial removal); at most
             n_ubatch - 2 for such models.
         ctx_other: a context this one reads from (a draft model's target context).
-        kv_type: "f16" (llama.cpp's default) or "f32" KV cache; f32 costs twice the memory and makes
-            attention match a float reference more closely.
+        kv_type: "f16" (llama.cpp's default), "f32" or "q8_0" KV cache; f32 costs twice the memory and makes
+            attention match a float reference more closely, q8_0 about half (it needs flash attention, which
+            llama.cpp then turns on unless ``flash_attn=False``, which it refuses).
         flash_attn: None lets llama.cpp decide (its default), True/False forces flash attention on/off.
         consistent_numerics: decode small batches (<= 64 tokens) with the same CPU kernels as single
-            tokens, so a batched verify reproduces token-by-token greedy decoding bit for bit (patch 0005).
-            On by default; prompt-sized batches keep the fast kernels.
+            tokens, so a batched verify reproduces token-by-token greedy decoding bit for bit (patches 0005,
+            0012). On by default; batches above 64 tokens (prompts) keep every fast path.
 
     Raises:
         ValueError: a size is not positive or n_ubatch > n_batch.
         ContextInitError: llama.cpp could not create the context.
+        UnsupportedModeError: consistent numerics asked for where it cannot be promised (a model loaded with
+            ``use_extra_bufts=True``, a BLAS backend, a gated-delta-net model without its fused op).
     """
 
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
@@ -100,6 +103,8 @@ class Context(Owned):
             raise ValueError(f"n_rs_seq ({n_rs_seq}) must be at most n_ubatch - 2 ({n_ubatch - 2})")
         if kv_type not in _KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(_KV_TYPES)}, got {kv_type!r}")
+        if consistent_numerics:
+            _check_consistent_model(model)
         self.model = model
         self.ctx_other = ctx_other
         self._threadpools: tuple = ()
@@ -132,8 +137,11 @@ class Context(Owned):
             self._threadpools, self._owns_threadpools = _threadpools(*counts), True
         self._threadpool_counts = counts
         lib.llama_attach_threadpool(ptr, *self._threadpools)
-        _check_status(lib.llama_dspark_set_consistent_numerics(ptr, bool(consistent_numerics)),
-                      "llama_dspark_set_consistent_numerics")
+        try:
+            _set_consistent_numerics(ptr, consistent_numerics)
+        except UnsupportedModeError:
+            self.close()
+            raise
         if n_ctx and self.n_ctx != n_ctx:
             logging.getLogger("pyllama_dspark").info("n_ctx %d rounded up to %d by llama.cpp", n_ctx, self.n_ctx)
         self._mem = lib.llama_get_memory(ptr)
@@ -221,9 +229,14 @@ class Context(Owned):
 
     @_serialised
     def set_consistent_numerics(self, enabled: bool) -> None:
-        """Switch the consistent-numerics mode (see the class docstring) for the following decodes."""
-        _check_status(lib.llama_dspark_set_consistent_numerics(self.ptr, bool(enabled)),
-                      "llama_dspark_set_consistent_numerics")
+        """Switch the consistent-numerics mode (see the class docstring) for the following decodes.
+
+        Raises:
+            UnsupportedModeError: turning it on where it cannot be promised (see the class docstring).
+        """
+        if enabled:
+            _check_consistent_model(self.model)
+        _set_consistent_numerics(self.ptr, enabled)
 
     # --- decode ------------------------------------------------------------------------
     def embd_batch(self, width: int | None = None) -> EmbdBatch:
@@ -509,6 +522,24 @@ class Context(Owned):
     def _check_seq(self, seq_id: int) -> None:
         if not 0 <= seq_id < self.n_seq_max:
             raise ValueError(f"sequence id {seq_id} outside [0, {self.n_seq_max})")
+
+
+def _check_consistent_model(model: Model) -> None:
+    if model.use_extra_bufts:
+        raise UnsupportedModeError(
+            f"consistent numerics needs {model.path.name} loaded with use_extra_bufts=False: repacked weights go "
+            "through kernels whose results depend on the batch width (or pass consistent_numerics=False)",
+            op="llama_dspark_set_consistent_numerics")
+
+
+def _set_consistent_numerics(ptr, enabled: bool) -> None:
+    rc = lib.llama_dspark_set_consistent_numerics(ptr, bool(enabled))
+    if rc == -2:
+        raise UnsupportedModeError(
+            "consistent numerics cannot be promised here: a BLAS backend takes over small batches, or this "
+            "gated-delta-net model runs without its fused op; pass consistent_numerics=False",
+            op="llama_dspark_set_consistent_numerics", code=rc, log_tail=_log.tail())
+    _check_status(rc, "llama_dspark_set_consistent_numerics")
 
 
 def _check_status(rc: int, op: str) -> None:

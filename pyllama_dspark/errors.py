@@ -49,6 +49,10 @@ class ContextInitError(LlamaError):
     """A context could not be created for the model."""
 
 
+class UnsupportedModeError(LlamaError, ValueError):
+    """A mode the caller asked for (consistent numerics) cannot be promised by this build, model or backend."""
+
+
 class DecodeError(LlamaError):
     """llama_decode failed."""
 

@@ -41,6 +41,7 @@ class Model(Owned):
             the repacked kernels differ between single-token and batched decodes (so speculative
             output could drift from plain greedy), and the AMX path raised SIGILL on our VMs
             (AMX listed by the CPU but not usable) for quantized weights and batches of ~32+ tokens.
+            A context with consistent numerics (the default) refuses such a model.
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -54,6 +55,7 @@ class Model(Owned):
                  use_extra_bufts: bool = False):
         self.path = Path(path)
         self.vocab_only = bool(vocab_only)
+        self.use_extra_bufts = bool(use_extra_bufts)
         header = _check_gguf_file(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
@@ -363,15 +365,20 @@ def _read_string(call, size: int = 256) -> str | None:
 
 
 QUANT_TYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-               "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1"}
+               "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
+               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
-def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, *, n_threads: int = 0) -> Path:
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, *, n_threads: int = 0,
+             allow_requantize: bool = False) -> Path:
     """Write a copy of GGUF ``src`` with its weight matrices in ``qtype`` (llama.cpp's llama-quantize).
 
     Args:
-        qtype: one of f32, f16, q8_0, q4_0, q4_1 (norms and other 1-D tensors stay f32; like
-            llama-quantize, the 4-bit types keep the output head at q8_0 or a K-quant).
+        qtype: one of f32, f16, q8_0, q4_0, q4_1, q4_k_m (norms and other 1-D tensors stay f32; like
+            llama-quantize, the 4-bit types keep the output head at q8_0 or a K-quant, and q4_k_m mixes
+            q4_K with q6_K for the tensors llama-quantize gives more bits, hence "mostly").
+        allow_requantize: accept a src whose weights are already quantized (they are dequantized first, so
+            the copy can be no better than src); without it llama.cpp refuses such a src.
 
     Raises:
         ValueError: unknown qtype; FileNotFoundError / ModelLoadError: bad src;
@@ -384,6 +391,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, *, n_th
     params = ffi.new("llama_model_quantize_params *", lib.llama_model_quantize_default_params())
     params.nthread = n_threads
     params.ftype = getattr(lib, QUANT_TYPES[qtype])
+    params.allow_requantize = bool(allow_requantize)
     _log.clear()
     if lib.llama_model_quantize(os.fsencode(src), os.fsencode(dst), params) != 0:
         dst.unlink(missing_ok=True)

@@ -2,9 +2,9 @@
 """Our Python DSpark loop against upstream's C++ loop (llama-speculative-simple), side by side.
 
 Same target GGUF, same drafter GGUF, same prompts, greedy, same draft length and threads. Upstream
-runs with LLAMA_DSPARK_CONSISTENT_NUMERICS=1 (patch 0006), as our contexts do by default, so both
-target decodes use the same kernels. Prints each loop's generated text agreement and decode tok/s,
-and the ratio ours / C++ (JSON keys ``tokens_equal``, ``ours_over_cpp``).
+runs with GGML_CPU_CONSISTENT_NUMERICS=1 (patch 0012; it also hides repacked weights), as our contexts
+do by default, so both target decodes use the same kernels. Prints each loop's generated text agreement
+and decode tok/s, and the ratio ours / C++ (JSON keys ``tokens_equal``, ``ours_over_cpp``).
 
 The C++ tool is taken from the installed package (built with -DPYLLAMA_DSPARK_TOOLS=...), or built
 here from this source tree into build/parity-tools (a few minutes, once).
@@ -65,7 +65,7 @@ def run_cpp(exe: Path, args, prompt: str) -> tuple[bytes, float]:
     cmd = [str(exe), "-m", str(args.model), "-md", str(args.drafter), "--spec-type", "draft-dspark",
            "-p", prompt, "-n", str(args.n_predict), "--spec-draft-n-max", str(args.n_draft), "--temp", "0",
            "-t", str(args.n_threads), "-c", str(args.n_ctx), "-b", "512", "-ub", "512"]
-    env = dict(os.environ, LLAMA_DSPARK_CONSISTENT_NUMERICS="1")
+    env = dict(os.environ, GGML_CPU_CONSISTENT_NUMERICS="1")
     proc = subprocess.run(cmd, capture_output=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"{TOOL} failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-2000:]}")

@@ -57,3 +57,31 @@ def test_bad_input_raises_and_leaves_nothing(make_model, tmp_path):
         quantize(not_gguf, tmp_path / "z.gguf", "f16")
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y.gguf").exists()
     assert not (tmp_path / "z.gguf").exists()
+
+
+def test_q4_k_m_mixes_q4_k_and_q6_k_and_stays_near_f32(make_model, tmp_path):
+    """The K-quant llama-quantize users pick most (rows of 256: the tiny model is made that wide)."""
+    src = make_model(arch="qwen3", n_layer=2, n_embd=256, n_ff=512)
+    out = quantize(src, tmp_path / "m-q4_k_m.gguf", "q4_k_m")
+    matrices = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors if len(t.shape) == 2}
+    assert set(matrices.values()) <= {"Q4_K", "Q6_K"}, matrices
+    assert "Q4_K" in matrices.values() and matrices["output.weight"] == "Q6_K", matrices
+    reference, logits = last_logits(src), last_logits(out)
+    err = float(np.abs(logits - reference).max() / np.abs(reference).max())
+    assert 0 < err <= 0.6, f"q4_k_m: max relative logit error {err:.2e}"
+
+
+def test_requantizing_needs_allow_requantize_and_then_keeps_the_values(quantized, tmp_path):
+    """An already-quantized src (the shipped SmolLM2 is q4_1) is refused unless asked; with allow_requantize
+    an f32 copy of a q4_1 model holds its dequantized weights (gguf-py's dequantization as the reference)."""
+    src = quantized("qwen3", "q4_1")
+    with pytest.raises(LlamaError, match="q8_0 failed"):
+        quantize(src, tmp_path / "r.gguf", "q8_0")
+    assert not (tmp_path / "r.gguf").exists()
+    out = quantize(src, tmp_path / "r-f32.gguf", "f32", allow_requantize=True)
+    copies = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    assert {t.tensor_type.name for t in copies.values()} == {"F32"}
+    for tensor in gguf.GGUFReader(src).tensors:
+        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(-1)
+        np.testing.assert_allclose(np.asarray(copies[tensor.name].data).reshape(-1), expected, rtol=1e-6,
+                                   atol=1e-7, err_msg=tensor.name)

@@ -20,3 +20,5 @@ void llama_attach_threadpool(
 
 // pyllama-dspark (patch 0008): mul_mat chunks computed with the two-column dot kernels so far
 int64_t ggml_cpu_dspark_x2_chunks(void);
+// pyllama-dspark (patch 0014): small-batch products tinyBLAS computed under consistent numerics so far
+int64_t ggml_cpu_dspark_consistent_sgemm_matrices(void);

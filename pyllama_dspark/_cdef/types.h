@@ -22,6 +22,7 @@ enum ggml_log_level {
 enum ggml_type {
     GGML_TYPE_F32     = 0,
     GGML_TYPE_F16     = 1,
+    GGML_TYPE_Q8_0    = 8,
     ...
 };
 
@@ -87,12 +88,14 @@ enum llama_ftype {
     LLAMA_FTYPE_MOSTLY_Q4_0          = 2,
     LLAMA_FTYPE_MOSTLY_Q4_1          = 3,
     LLAMA_FTYPE_MOSTLY_Q8_0          = 7,
+    LLAMA_FTYPE_MOSTLY_Q4_K_M        = 15,
     ...
 };
 
 typedef struct llama_model_quantize_params {
     int32_t nthread;
     enum llama_ftype ftype;
+    bool allow_requantize;
     bool pure;
     ...;
 } llama_model_quantize_params;
