@@ -116,25 +116,35 @@ def test_q4_1_batches_use_the_multi_column_kernels_and_single_tokens_do_not(quan
     assert batch > 0, "a 3-token decode did not use the multi-column kernels"
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
-def test_q8_0_and_q4_0_batches_go_through_tinyblas_under_the_mode(quantized, qtype):
-    """Patch 0014: on x86 AVX2, tinyBLAS computes q8_0/q4_0 elements exactly as vec_dot, so the mode lets it
-    take small batches (bit-identity: test_batched_rows_are_bit_identical_to_single_tokens); one token keeps
-    vec_dot (tinyBLAS declines a single column), and without the mode nothing is counted."""
+@pytest.mark.parametrize("qtype,width,kernel", [("q8_0", 3, "multi-column"), ("q8_0", 20, "tinyBLAS"),
+                                                ("q4_0", 3, "tinyBLAS")])
+def test_small_q8_0_and_q4_0_batches_take_the_faster_of_two_equal_kernels(quantized, qtype, width, kernel):
+    """Patch 0014: on x86 AVX2, tinyBLAS computes q8_0/q4_0 elements exactly as vec_dot, so the mode lets it take
+    small batches (bit-identity: test_batched_rows_are_bit_identical_to_single_tokens), except q8_0 batches of up
+    to 16 columns, for which the multi-column vec_dot kernels are faster. One token keeps vec_dot; without the
+    mode tinyBLAS is not counted."""
     from pyllama_dspark._lib import lib
 
     if not _x2_built():
         pytest.skip("claimed for x86-64 AVX2 only")
+    counter = {"multi-column": lib.ggml_cpu_dspark_x2_chunks,
+               "tinyBLAS": lib.ggml_cpu_dspark_consistent_sgemm_matrices}[kernel]
+    other = lib.ggml_cpu_dspark_consistent_sgemm_matrices if kernel == "multi-column" else None
     with Model(quantized("llama", qtype)) as model:
-        counter = lib.ggml_cpu_dspark_consistent_sgemm_matrices
-        single, batch = _decode_deltas(Context(model, n_ctx=256, n_batch=16), counter)
-        _, batch_off = _decode_deltas(Context(model, n_ctx=256, n_batch=16, consistent_numerics=False), counter)
-    assert single == 0 and batch > 0 and batch_off == 0, (single, batch, batch_off)
+        before_other = other() if other else 0
+        single, batch = _decode_deltas(Context(model, n_ctx=256, n_batch=32), counter, width)
+        assert single == 0 and batch > 0, (kernel, single, batch)
+        if other:
+            assert other() == before_other, "tinyBLAS took a q8_0 batch of 3"
+        if kernel == "tinyBLAS":
+            _, batch_off = _decode_deltas(Context(model, n_ctx=256, n_batch=32, consistent_numerics=False), counter,
+                                          width)
+            assert batch_off == 0
 
 
-def _decode_deltas(ctx, counter):
-    """How far counter moves over a one-token decode, then over a 3-token decode, after a 4-token prompt."""
-    batch = Batch(16)
+def _decode_deltas(ctx, counter, width=3):
+    """How far counter moves over a one-token decode, then over a decode of width tokens, after a 4-token prompt."""
+    batch = Batch(32)
     batch.add_tokens(TOKENS[:4], 0, logits="last")
     ctx.decode(batch)
     before = counter()
@@ -143,7 +153,7 @@ def _decode_deltas(ctx, counter):
     ctx.decode(batch)
     single = counter() - before
     batch.clear()
-    batch.add_tokens(TOKENS[5:8], 5, logits="all")
+    batch.add_tokens(TOKENS[5:5 + width], 5, logits="all")
     ctx.decode(batch)
     return single, counter() - before - single
 
