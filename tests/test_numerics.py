@@ -103,7 +103,7 @@ def test_without_the_mode_batched_rows_differ(quantized):
 
 
 def test_q4_1_batches_use_the_multi_column_kernels_and_single_tokens_do_not(quantized):
-    """Patch 0008: a small batch of q4_1 weights goes through the multi-column dot kernels (the rows are
+    """Patches 0008/0015: a small batch of q4_1 weights goes through the multi-column dot kernels (the rows are
     still bit-identical to single tokens, see above); a one-token decode keeps the one-column kernel."""
     from pyllama_dspark._lib import lib
 
@@ -117,12 +117,12 @@ def test_q4_1_batches_use_the_multi_column_kernels_and_single_tokens_do_not(quan
 
 
 @pytest.mark.parametrize("qtype,width,kernel", [("q8_0", 3, "multi-column"), ("q8_0", 20, "tinyBLAS"),
-                                                ("q4_0", 3, "tinyBLAS")])
+                                                ("q4_0", 3, "multi-column"), ("q4_0", 20, "tinyBLAS")])
 def test_small_q8_0_and_q4_0_batches_take_the_faster_of_two_equal_kernels(quantized, qtype, width, kernel):
-    """Patch 0014: on x86 AVX2, tinyBLAS computes q8_0/q4_0 elements exactly as vec_dot, so the mode lets it take
-    small batches (bit-identity: test_batched_rows_are_bit_identical_to_single_tokens), except q8_0 batches of up
-    to 16 columns, for which the multi-column vec_dot kernels are faster. One token keeps vec_dot; without the
-    mode tinyBLAS is not counted."""
+    """Patches 0014/0015: on x86 AVX2, tinyBLAS computes q8_0/q4_0 elements exactly as vec_dot, so the mode lets
+    it take batches of 17-64 columns (bit-identity: test_batched_rows_are_bit_identical_to_single_tokens); 2-16
+    columns go to the multi-column vec_dot kernels, which are faster there. One token keeps vec_dot; without
+    the mode tinyBLAS is not counted."""
     from pyllama_dspark._lib import lib
 
     if not _x2_built():
@@ -135,7 +135,7 @@ def test_small_q8_0_and_q4_0_batches_take_the_faster_of_two_equal_kernels(quanti
         single, batch = _decode_deltas(Context(model, n_ctx=256, n_batch=32), counter, width)
         assert single == 0 and batch > 0, (kernel, single, batch)
         if other:
-            assert other() == before_other, "tinyBLAS took a q8_0 batch of 3"
+            assert other() == before_other, f"tinyBLAS took a {qtype} batch of {width}"
         if kernel == "tinyBLAS":
             _, batch_off = _decode_deltas(Context(model, n_ctx=256, n_batch=32, consistent_numerics=False), counter,
                                           width)

@@ -52,6 +52,19 @@ def test_bench_verify_cost_small(tmp_path, make_model):
     assert set(result["ceiling"]["speedup"]) == {"k1", "k2"}
 
 
+def test_bench_mode_cost_small(tmp_path, make_model):
+    path = make_model(arch="llama", n_layer=2, n_embd=256, n_ff=512)
+    result = run_script("bench_mode_cost.py", "--model", str(path), "--types", "q8_0", "q4_k_m", "--prefill", "16",
+                        "70", "--n-cells", "300", "--repeats", "1", "--cache", str(tmp_path / "cache"),
+                        tmp_path=tmp_path)
+    assert set(result["types"]) == {"q8_0", "q4_k_m"}
+    for entry in result["types"].values():
+        assert set(entry["on_over_off"]) == {"prefill_16", "prefill_70", "decode_at_300"}
+        assert all(ratio > 0 for ratio in entry["on_over_off"].values())
+    made = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert made == [f"{path.stem}-q4_k_m.gguf", f"{path.stem}-q8_0.gguf"], made
+
+
 def test_bench_contention_small(tmp_path, make_pair):
     """One and two processes, plain and speculative, two policies, on the tiny pair (a fraction of a second each)."""
     from pyllama_dspark.testing import TinySpec
