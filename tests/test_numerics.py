@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import ARCHS
-from pyllama_dspark import Batch, Context, Model, UnsupportedModeError
+from pyllama_dspark import Batch, Context, ContextInitError, Model, UnsupportedModeError
 from pyllama_dspark.model import quantize
 
 TOKENS = [1, 17, 42, 99, 3, 250, 7] + list(range(30, 87))  # 64
@@ -53,6 +53,12 @@ def test_rows_are_bit_identical_with_a_q8_0_kv_cache(make_model, arch):
         single = single_rows(model, kv_type="q8_0")
         for n in (3, 8, 16):
             np.testing.assert_array_equal(batched_rows(model, n, kv_type="q8_0"), single, err_msg=f"{arch} {n}")
+
+
+def test_a_q8_0_kv_cache_without_flash_attention_is_refused_with_llama_cpps_reason(make_model):
+    with Model(make_model(arch="llama", n_layer=2, n_embd=128)) as model:
+        with pytest.raises(ContextInitError, match="quantized V cache requires flash_attn"):
+            Context(model, n_ctx=64, kv_type="q8_0", flash_attn=False)
 
 
 @pytest.mark.parametrize("flash_attn", [True, False])
