@@ -22,6 +22,7 @@ from pathlib import Path
 import gguf
 
 from pyllama_dspark import Batch, Context, Model, bundled
+from pyllama_dspark.gguf_header import GGUFHeader
 from pyllama_dspark.model import quantize
 
 MODES = ("on", "off")
@@ -29,9 +30,8 @@ MODES = ("on", "off")
 
 def model_for(source: Path, qtype: str, cache: Path) -> Path:
     """source itself when it already has qtype's weights, else a requantized copy (made once)."""
-    source_type = gguf.GGUFReader(source).get_field("general.file_type")
-    if source_type is not None and int(source_type.contents()) == int(getattr(gguf.LlamaFileType,
-                                                                             f"MOSTLY_{qtype.upper()}", -1)):
+    source_type = GGUFHeader(source).fields.get("general.file_type")  # header only: no tokenizer arrays parsed
+    if source_type is not None and source_type == int(getattr(gguf.LlamaFileType, f"MOSTLY_{qtype.upper()}", -1)):
         return source
     out = cache / f"{source.stem}-{qtype}.gguf"
     if not out.exists():
