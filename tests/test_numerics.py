@@ -108,18 +108,21 @@ def test_without_the_mode_batched_rows_differ(quantized):
     assert np.abs(batched - single).max() > 0
 
 
-def test_q4_1_batches_use_the_multi_column_kernels_and_single_tokens_do_not(quantized):
-    """Patches 0008/0015: a small batch of q4_1 weights goes through the multi-column dot kernels (the rows are
-    still bit-identical to single tokens, see above); a one-token decode keeps the one-column kernel."""
+@pytest.mark.parametrize("width", [3, 8])
+@pytest.mark.parametrize("qtype", ["q4_1", "f16"])
+def test_q4_1_and_f16_batches_use_the_multi_column_kernels_and_single_tokens_do_not(quantized, qtype, width):
+    """Patches 0008/0015/0016: a small batch of q4_1 or f16 weights goes through the multi-column dot kernels
+    (the rows are still bit-identical to single tokens, see above); a one-token decode keeps the one-column
+    kernel. The f16 kernel is built on every SIMD architecture, the q4_1 one on x86-64 AVX2."""
     from pyllama_dspark._lib import lib
 
-    if not _x2_built():
-        pytest.skip("the multi-column kernels are built for AVX2 on x86-64 only")
-    with Model(quantized("llama", "q4_1")) as model:
+    if qtype == "q4_1" and not _x2_built():
+        pytest.skip("the quantized multi-column kernels are built for AVX2 on x86-64 only")
+    with Model(quantized("llama", qtype)) as model:
         ctx = Context(model, n_ctx=256, n_batch=16)
-        single, batch = _decode_deltas(ctx, lib.ggml_cpu_dspark_x2_chunks)
+        single, batch = _decode_deltas(ctx, lib.ggml_cpu_dspark_x2_chunks, width)
     assert single == 0, "a single-token decode used the multi-column kernels"
-    assert batch > 0, "a 3-token decode did not use the multi-column kernels"
+    assert batch > 0, f"a {width}-token decode did not use the multi-column kernels"
 
 
 @pytest.mark.parametrize("qtype,width,kernel", [("q8_0", 3, "multi-column"), ("q8_0", 20, "tinyBLAS"),
