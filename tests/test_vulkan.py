@@ -1,0 +1,168 @@
+"""Patch 0018 on a Vulkan device: with consistent numerics a batched decode is bit-identical to decoding its
+tokens one by one, so speculative greedy output equals plain greedy output on Vulkan too.
+
+These tests need a build with a GPU backend (CMAKE_ARGS="-DGGML_VULKAN=on") and a device. CI runs them on
+Mesa's lavapipe (a CPU-side Vulkan device, which ggml skips unless GGML_VK_VISIBLE_DEVICES names it) with
+PYLLAMA_DSPARK_REQUIRE_GPU=1, which turns "no device" into a failure instead of a skip. Exactness here means
+Vulkan batch == Vulkan single token; Vulkan and CPU logits differ slightly, as expected.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import drafters
+from conftest import ARCHS
+from pyllama_dspark import Batch, Context, Model, generate
+from pyllama_dspark._lib import lib
+from pyllama_dspark.speculative import Speculator
+
+GPU = bool(lib.llama_supports_gpu_offload())
+REQUIRE_GPU = os.environ.get("PYLLAMA_DSPARK_REQUIRE_GPU") == "1"
+
+pytestmark = pytest.mark.skipif(not GPU and not REQUIRE_GPU,
+                                reason="no GPU device in this build (Vulkan builds: CMAKE_ARGS=-DGGML_VULKAN=on; "
+                                       "lavapipe needs GGML_VK_VISIBLE_DEVICES=<its index>)")
+
+TOKENS = (np.arange(72) * 37 % 241 + 5).tolist()
+WIDTHS = (2, 3, 4, 5, 6, 7, 8, 16)
+
+
+def test_a_gpu_device_is_present():
+    """The Vulkan CI job sets PYLLAMA_DSPARK_REQUIRE_GPU=1: there, a missing device fails instead of skipping."""
+    assert GPU, "PYLLAMA_DSPARK_REQUIRE_GPU=1 but llama.cpp reports no GPU device"
+
+
+def gpu_context(model, consistent=True):
+    return Context(model, n_ctx=256, n_batch=64, flash_attn=True, consistent_numerics=consistent)
+
+
+def single_rows(model, consistent=True, tokens=TOKENS):
+    ctx, batch, rows = gpu_context(model, consistent), Batch(1), []
+    for pos, token in enumerate(tokens):
+        batch.clear()
+        batch.add(token, pos, logits=True)
+        ctx.decode(batch)
+        rows.append(ctx.logits(-1).copy())
+    ctx.close()
+    return np.array(rows)
+
+
+def batched_rows(model, width, consistent=True, tokens=TOKENS):
+    """The scan again in batches of width tokens, each after the same prefix as its single-token decodes."""
+    ctx, batch, rows = gpu_context(model, consistent), Batch(64), []
+    for start in range(0, len(tokens), width):
+        batch.clear()
+        batch.add_tokens(tokens[start:start + width], start, logits="all")
+        ctx.decode(batch)
+        rows.append(ctx.all_logits().copy())
+    ctx.close()
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_0"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_rows_are_bit_identical_to_single_tokens_on_the_gpu(quantized, arch, qtype):
+    with Model(quantized(arch, qtype), n_gpu_layers=-1) as model:
+        single = single_rows(model)
+        for width in WIDTHS:
+            np.testing.assert_array_equal(batched_rows(model, width), single, err_msg=f"{arch} {qtype} width {width}")
+
+
+def test_without_the_mode_the_first_divergence_is_recorded(quantized, record_property):
+    """Why the mode exists: without it, batches above 8 columns take the tiled matmul and smaller ones a
+    mat-vec specialised per column count. Records the first (width, row) whose logits differ, per type."""
+    found = {}
+    for qtype in ("f32", "q8_0"):
+        with Model(quantized("llama", qtype), n_gpu_layers=-1) as model:
+            single = single_rows(model, consistent=False)
+            for width in WIDTHS:
+                rows = batched_rows(model, width, consistent=False)
+                differs = np.flatnonzero(np.any(rows != single, axis=1))
+                if differs.size:
+                    found[qtype] = (width, int(differs[0]), float(np.abs(rows - single).max()))
+                    break
+    record_property("first_divergence", found)
+    print(f"first divergence without the mode (width, row, max |diff|): {found}")
+    assert found, "no batch width differed without the mode: this device cannot show the mode's effect"
+
+
+def test_a_partial_offload_stays_exact(quantized):
+    """Layers on the CPU take the CPU's mode, layers on the device the device's: rows stay bit-identical."""
+    with Model(quantized("llama", "q8_0"), n_gpu_layers=1) as model:
+        single = single_rows(model)
+        for width in (2, 8, 16):
+            np.testing.assert_array_equal(batched_rows(model, width), single, err_msg=f"width {width}")
+
+
+PROMPTS = [[1, 17, 42, 99, 3, 250, 7], (np.arange(20) * 37 % 251 + 1).tolist(), [200, 13, 5]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_speculative_greedy_equals_plain_greedy_on_the_gpu(make_model, arch):
+    """Verify batches of every width from 2 to 8 (n_draft 1..7 spread over the prompts), each drafter right for
+    a different number of its drafts, so rounds accept all, some and none."""
+    with Model(make_model(arch=arch, n_layer=3), n_gpu_layers=-1) as model:
+        for i, prompt in enumerate(PROMPTS):
+            plain_ctx = gpu_context(model)
+            expected = generate(plain_ctx, prompt, max_tokens=64, stop_at_eog=False).tokens
+            plain_ctx.close()
+            for n_draft in range(1 + i, 8, len(PROMPTS)):
+                right = (3 * n_draft + i) % (n_draft + 1)
+                drafter = drafters.prefix(list(prompt) + list(expected), model.n_vocab, right, block_size=7)
+                ctx = Context(model, n_ctx=256, n_batch=16, flash_attn=True,
+                              n_rs_seq=Speculator.target_rs_seq(n_draft))
+                spec = Speculator(ctx, drafter, n_draft=n_draft)
+                steps = list(spec.run(np.asarray(prompt, dtype=np.int32), max_tokens=64, stop_at_eog=False))
+                ctx.close()
+                tokens = [t for s in steps for t in s.tokens]
+                assert tokens == list(expected), f"{arch} n_draft={n_draft} right={right} prompt={prompt[:3]}"
+                assert any(s.n_draft == n_draft for s in steps), f"no verify of {n_draft + 1} rows"
+
+
+def test_a_converted_dspark_drafter_on_the_gpu_keeps_output_exact(make_pair):
+    from pyllama_dspark.drafter import DSparkDrafter
+    from pyllama_dspark.testing import TinySpec
+
+    pair = make_pair(TinySpec(arch="llama", n_layer=3), block_size=4)
+    with Model(pair.target, n_gpu_layers=-1) as model:
+        for prompt in PROMPTS:
+            plain_ctx = gpu_context(model)
+            expected = generate(plain_ctx, prompt, max_tokens=64, stop_at_eog=False).tokens
+            plain_ctx.close()
+            ctx = Context(model, n_ctx=256, n_batch=16, flash_attn=True)
+            drafter = DSparkDrafter(pair.drafter, ctx, n_gpu_layers=-1)
+            spec = Speculator(ctx, drafter, n_draft=4)
+            tokens = [t for s in spec.run(np.asarray(prompt, dtype=np.int32), max_tokens=64, stop_at_eog=False)
+                      for t in s.tokens]
+            ctx.close()
+            assert tokens == list(expected), f"prompt={prompt[:3]}"
+
+
+def test_a_gpu_target_without_the_mode_warns_once(make_model, monkeypatch):
+    import pyllama_dspark.speculative as speculative
+
+    monkeypatch.setattr(speculative, "_warned_inexact_verify", False)
+    with Model(make_model(arch="llama", n_layer=3), n_gpu_layers=-1) as model:
+        ctx = gpu_context(model, consistent=False)
+        drafter = drafters.never([1] * 8, model.n_vocab)
+        with pytest.warns(UserWarning, match="consistent_numerics=False"):
+            Speculator(ctx, drafter, n_draft=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Speculator(ctx, drafter, n_draft=2)  # once per process
+        ctx.set_consistent_numerics(True)
+        ctx.close()
+
+
+def test_the_mode_is_refused_on_the_gpu_without_flash_attention(make_model):
+    from pyllama_dspark import UnsupportedModeError
+
+    with Model(make_model(arch="llama", n_layer=3), n_gpu_layers=-1) as model:
+        with pytest.raises(UnsupportedModeError, match="flash attention is off on a GPU"):
+            Context(model, n_ctx=64, flash_attn=False)
+        Context(model, n_ctx=64, flash_attn=False, consistent_numerics=False).close()
