@@ -99,6 +99,30 @@ def test_a_partial_offload_stays_exact(quantized):
             np.testing.assert_array_equal(batched_rows(model, width), single, err_msg=f"width {width}")
 
 
+def test_rows_stay_exact_where_the_kv_cache_crosses_512_cells(quantized):
+    """Past 512 cells the mode splits flash attention into fixed 512-cell chunks merged by the split-k
+    reduce: a batch at positions 500-531 (n_kv 768) against lone tokens before and after the boundary."""
+    prefix = (np.arange(500) * 53 % 241 + 5).tolist()
+    scan = (np.arange(32) * 29 % 241 + 5).tolist()
+    with Model(quantized("qwen3", "q8_0"), n_gpu_layers=-1) as model:
+        rows = {}
+        for width in (1, 4, 8):
+            ctx = Context(model, n_ctx=1024, n_batch=512, flash_attn=True)
+            batch = Batch(512)
+            batch.add_tokens(prefix, 0, logits="last")  # > 64 tokens: the fast path, the same in every context
+            ctx.decode(batch)
+            out = []
+            for start in range(0, len(scan), width):
+                batch.clear()
+                batch.add_tokens(scan[start:start + width], len(prefix) + start, logits="all")
+                ctx.decode(batch)
+                out.append(ctx.all_logits().copy())
+            ctx.close()
+            rows[width] = np.concatenate(out)
+        for width in (4, 8):
+            np.testing.assert_array_equal(rows[width], rows[1], err_msg=f"width {width}")
+
+
 PROMPTS = [[1, 17, 42, 99, 3, 250, 7], (np.arange(20) * 37 % 251 + 1).tolist(), [200, 13, 5]]
 
 
