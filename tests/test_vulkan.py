@@ -100,8 +100,8 @@ def test_a_partial_offload_stays_exact(quantized):
 
 
 def test_rows_stay_exact_where_the_kv_cache_crosses_512_cells(quantized):
-    """Past 512 cells the mode splits flash attention into fixed 512-cell chunks merged by the split-k
-    reduce: a batch at positions 500-531 (n_kv 768) against lone tokens before and after the boundary."""
+    """The mode splits flash attention into fixed 128-cell chunks merged by the split-k reduce, whatever n_kv
+    is: a batch at positions 500-531 (n_kv 768) against lone tokens before and after the 512-cell boundary."""
     prefix = (np.arange(500) * 53 % 241 + 5).tolist()
     scan = (np.arange(32) * 29 % 241 + 5).tolist()
     with Model(quantized("qwen3", "q8_0"), n_gpu_layers=-1) as model:
