@@ -6,7 +6,7 @@ Quick use::
     with pyllama_dspark.load("target.gguf", drafter="drafter.gguf") as llm:
         print(llm.generate("Hello", max_tokens=32).text)
 
-Finer control: Model, Context, DSparkDrafter and Speculator (``load`` builds them).
+Finer control: Model, Context, DSparkDrafter, HybridDrafter and Speculator (``load`` builds them).
 """
 
 __version__ = "0.1.0"
@@ -34,6 +34,7 @@ from .errors import (  # noqa: E402
 from .draft_length import DraftLengthChooser  # noqa: E402
 from .drafter import Draft, Drafter, DrafterError, DSparkDrafter, PromptLookupDrafter  # noqa: E402
 from .generate import GenerationResult, TokenEvent, generate  # noqa: E402
+from .hybrid import HybridDrafter  # noqa: E402
 from .model import Model, quantize  # noqa: E402
 from .sampling import Sampler, SamplingParams  # noqa: E402
 from .speculative import SpecResult, Speculator, Step  # noqa: E402
@@ -43,7 +44,7 @@ __all__ = [
     "load", "LLM",
     "Batch", "EmbdBatch", "Context", "Model", "quantize", "generate", "GenerationResult", "TokenEvent",
     "Speculator", "Step", "SpecResult", "SpecStats", "DraftLengthChooser",
-    "DSparkDrafter", "PromptLookupDrafter", "Drafter", "Draft", "DrafterError",
+    "DSparkDrafter", "PromptLookupDrafter", "HybridDrafter", "Drafter", "Draft", "DrafterError",
     "Sampler", "SamplingParams", "build_info",
     "LlamaError", "ModelLoadError", "ContextInitError", "DecodeError", "KvCacheFullError",
     "DecodeAbortedError", "InvalidBatchError", "FatalDecodeError", "MemoryOpError", "CaptureError",

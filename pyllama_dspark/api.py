@@ -22,15 +22,16 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from . import checks
 from .context import Context
-from .drafter import DSparkDrafter
+from .drafter import DSparkDrafter, PromptLookupDrafter
 from .generate import GenerationResult, TokenEvent, generate
+from .hybrid import HybridDrafter
 from .model import Model
 from .speculative import Speculator
 
 
 def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str] | Any | None = None, *,
          n_ctx: int = 4096, n_threads: int | None = None, n_draft: int | None = None, n_draft_min: int = 0,
-         p_min: float = 0.0, n_gpu_layers: int = 0, **context_kwargs) -> LLM:
+         p_min: float = 0.0, prompt_lookup: bool = False, n_gpu_layers: int = 0, **context_kwargs) -> LLM:
     """Load a target model (and optionally a DSpark drafter) ready to generate.
 
     Args:
@@ -42,6 +43,10 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
         n_draft: drafts per round; None picks it per round from measured costs (see ``Speculator``).
         n_draft_min: drafts shorter than this are dropped (the round becomes a plain decode step).
         p_min: a DSpark drafter's drafts are cut at the first slot whose confidence is below p_min.
+        prompt_lookup: also draft by prompt lookup: the drafter is wrapped in a ``HybridDrafter``, which drafts
+            each round from prompt lookup (when the text's last tokens occurred before) or the drafter, whichever
+            promises more tokens per second (with a fixed n_draft: lookup whenever it matches). Without a
+            drafter, prompt lookup alone (``PromptLookupDrafter()``). Default False.
         n_gpu_layers: layers to offload (GPU builds).
         context_kwargs: further ``Context`` arguments (``n_batch``, ``kv_type``, ``consistent_numerics``...).
 
@@ -51,13 +56,15 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
     """
     n_ctx = checks.integer("n_ctx", n_ctx, minimum=1)
     n_threads = checks.optional_integer("n_threads", n_threads, minimum=1)
+    checks.instance("prompt_lookup", prompt_lookup, bool)
     if not isinstance(target, (Model, str, os.PathLike)):
         raise TypeError(f"target must be a GGUF path or a Model, got {type(target).__name__}")
     owns_model = not isinstance(target, Model)
     model = Model(target, n_gpu_layers=n_gpu_layers) if owns_model else target
     try:
         return LLM(model, drafter, owns_model=owns_model, n_ctx=n_ctx, n_threads=n_threads, n_draft=n_draft,
-                   n_draft_min=n_draft_min, p_min=p_min, n_gpu_layers=n_gpu_layers, **context_kwargs)
+                   n_draft_min=n_draft_min, p_min=p_min, prompt_lookup=prompt_lookup, n_gpu_layers=n_gpu_layers,
+                   **context_kwargs)
     except BaseException:
         if owns_model:
             model.close()
@@ -69,23 +76,29 @@ class LLM:
 
     Attributes:
         model, ctx: the target's Model and Context.
-        drafter: the Drafter, or None for plain decoding.
+        drafter: the Drafter (a ``HybridDrafter`` with ``prompt_lookup``), or None for plain decoding.
         speculator: the Speculator over ctx and drafter, or None.
     """
 
     def __init__(self, model: Model, drafter, *, owns_model: bool, n_ctx: int, n_threads: int | None,
                  n_draft: int | None, n_gpu_layers: int, n_draft_min: int = 0, p_min: float = 0.0,
-                 **context_kwargs):
+                 prompt_lookup: bool = False, **context_kwargs):
         self.model, self._owns_model = model, owns_model
         is_path = isinstance(drafter, (str, os.PathLike))
         block = DSparkDrafter.peek_block_size(drafter) if is_path else getattr(drafter, "block_size", 0)
-        if (model.is_hybrid or model.is_recurrent) and drafter is not None:
+        # made before the target's context, whose rollback snapshots must cover the larger of the two blocks
+        lookup = PromptLookupDrafter() if prompt_lookup else None
+        if lookup is not None:
+            block = max(block, lookup.block_size)
+        if (model.is_hybrid or model.is_recurrent) and (drafter is not None or lookup is not None):
             context_kwargs.setdefault("n_rs_seq", Speculator.target_rs_seq(min(n_draft or block, block)))
         self.ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads, **context_kwargs)
         try:
             if is_path:
                 drafter = DSparkDrafter(drafter, self.ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                         p_min=p_min)
+            if lookup is not None:
+                drafter = lookup if drafter is None else HybridDrafter(drafter, lookup=lookup)
             self.drafter = drafter
             self.speculator = (Speculator(self.ctx, drafter, n_draft=n_draft, n_draft_min=n_draft_min)
                                if drafter is not None else None)

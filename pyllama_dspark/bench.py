@@ -16,8 +16,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .context import Context
-from .drafter import Drafter, DSparkDrafter
+from .drafter import Drafter, DSparkDrafter, PromptLookupDrafter
 from .generate import generate, prompt_tokens
+from .hybrid import HybridDrafter
 from .model import Model
 from .sampling import Sampler, SamplingParams
 from .speculative import Speculator
@@ -122,7 +123,8 @@ class BenchSummary:
 
 def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], prompts: list[dict], *,
               n_predict: int, n_draft: int | None = None, n_draft_min: int = 0, p_min: float = 0.0,
-              n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512, n_gpu_layers: int = 0,
+              prompt_lookup: bool = False, n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
+              n_gpu_layers: int = 0,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               seed: int | None = 0) -> Iterator[PromptResult]:
     """Yield one PromptResult per prompt: plain, then speculative decoding, in two contexts of the same settings
@@ -132,6 +134,7 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
         drafter: a DSpark drafter GGUF, or a function that makes a Drafter for the speculative context.
         n_draft: fixed draft length; None = cost-aware (the Speculator's default).
         n_draft_min, p_min: as ``Speculator`` and ``DSparkDrafter`` take them.
+        prompt_lookup: wrap the drafter in a ``HybridDrafter`` (prompt lookup first, then the drafter).
         temperature, top_k, top_p, seed: the sampling of both runs (one seed for both).
 
     Raises:
@@ -146,7 +149,12 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
         block = int(DSparkDrafter.peek_block_size(path))
         make_drafter = lambda ctx: DSparkDrafter(path, ctx, n_threads=n_threads,  # noqa: E731
                                                  n_gpu_layers=n_gpu_layers, p_min=p_min)
+        if prompt_lookup:  # the hybrid's block is the larger of the drafter's and prompt lookup's
+            block = max(block, PromptLookupDrafter().block_size)
         k_rs = block if n_draft is None else min(n_draft, block)
+    if prompt_lookup:
+        make_model_drafter = make_drafter
+        make_drafter = lambda ctx: HybridDrafter(make_model_drafter(ctx))  # noqa: E731
     hybrid = model.is_hybrid or model.is_recurrent
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
                   n_rs_seq=Speculator.target_rs_seq(k_rs) if hybrid else 0)

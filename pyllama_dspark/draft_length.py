@@ -19,11 +19,19 @@ line through the measured ones (cost grows about linearly with rows at these siz
 settled on k = 0 still probes one draft token now and then (every ``probe_every`` plain rounds, the gap
 doubling after rejected probes while drafting keeps not paying), so a drafter that becomes useful later
 in the text is noticed.
+
+A drafter with several sources (``HybridDrafter``: prompt lookup and a model drafter) gets one chooser per
+source from a ``SourceChooser``: each source keeps its own running acceptance and draft costs, all share the
+verify costs (one target verifies every source's drafts), and each round the source whose best k promises
+the most tokens per second drafts (ARCHITECTURE.md section 9). A source whose proposal is in hand before the
+choice (prompt lookup: free to ask) is scored every round against what the target committed, so its
+acceptance stays current even in rounds another source drafts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -56,6 +64,7 @@ class CostTable:
         # every refit_every rounds (a least-squares fit per round would cost a few percent of a decode)
         self._refit_every, self._since_fit = int(refit_every), 0
         self._fits = {name: self._fill(name) for name in self._measured}
+        self._sharing = [self]  # the tables that read one verify measurement (share_verify)
 
     def observe(self, k: int, t_draft: float, t_verify: float, k_drafted: int | None = None) -> None:
         """One round's measured parts: a draft of k_drafted slots (default k; t_draft is 0 for none) and a
@@ -67,8 +76,21 @@ class CostTable:
         new |= self._update("verify", k + 1, t_verify)
         self._since_fit += 1
         if new or self._since_fit >= self._refit_every:
-            self._fits = {name: self._fill(name) for name in self._measured}
-            self._since_fit = 0
+            for table in self._sharing:  # their fill-in reads the verify measurements just updated
+                table._fits = {name: table._fill(name) for name in table._measured}
+                table._since_fit = 0
+
+    def share_verify(self, other: CostTable) -> None:
+        """Read and update ``other``'s verify measurements from now on (this table's own are dropped); the draft
+        costs stay apart. For draft sources verified by one target: a verify of n rows costs the same whoever
+        drafted them, so every source's rounds measure it for all."""
+        if len(other._measured["verify"]) != len(self._measured["verify"]):
+            raise ValueError(f"tables for different row counts ({len(other._measured['verify']) - 2} and "
+                             f"{len(self._measured['verify']) - 2} drafts) cannot share verify costs")
+        self._measured["verify"] = other._measured["verify"]
+        other._sharing.append(self)
+        self._sharing = other._sharing
+        self._fits = {name: self._fill(name) for name in self._measured}
 
     def _estimates(self, name: str) -> np.ndarray:
         """The current measurement where there is one, the last fit elsewhere."""
@@ -177,9 +199,14 @@ class DraftLengthChooser:
 
     def best(self, k_max: int | None = None) -> int:
         """The k in 0..k_max with the most expected tokens per second by the running acceptance."""
+        return self.best_rate(k_max)[0]
+
+    def best_rate(self, k_max: int | None = None) -> tuple[int, float]:
+        """``best(k_max)`` and the expected tokens per second (per cost unit) of a round drafting that many."""
         k_max = self.k_max if k_max is None else max(0, min(int(k_max), self.k_max))
         rates = expected_tokens_by_k(self.accept[:k_max]) / self.costs.round_seconds(k_max)
-        return int(np.argmax(rates))
+        k = int(np.argmax(rates))
+        return k, float(rates[k])
 
     def plan(self, k_max: int | None = None) -> int:
         """Slots to draft this round (0 = a plain decode step)."""
@@ -217,6 +244,11 @@ class DraftLengthChooser:
         """What the round did: k verified drafts (of k_drafted drafted, default k), n_accepted of them accepted,
         and its measured parts."""
         self.costs.observe(k, t_draft, t_verify, k_drafted)
+        self.observe_acceptance(k, n_accepted)
+
+    def observe_acceptance(self, k: int, n_accepted: int) -> None:
+        """k drafts checked against the target, the first n_accepted of them right (a verified round, or a free
+        proposal scored against what the target committed); no costs."""
         reached = min(k, n_accepted + 1, self.k_max)  # slot i was reached; accepted iff i < n_accepted
         for i in range(reached):
             self.accept[i] += self.alpha * (float(i < n_accepted) - self.accept[i])
@@ -231,3 +263,78 @@ class DraftLengthChooser:
     def break_even(self) -> float:
         """The acceptance of slot 0 at which drafting one token pays as much as a plain step."""
         return (self.costs.draft(1) + self.costs.verify(2)) / self.costs.verify(1) - 1.0
+
+
+class SourceChooser:
+    """Picks each round's draft source and draft length for a drafter with several sources (ARCHITECTURE.md
+    section 9); see the module docstring.
+
+    Args:
+        k_max: source name -> most drafts per round from it, in the order the drafter lists its sources (ties
+            go to the first).
+
+    Attributes:
+        choosers: source name -> its DraftLengthChooser (running acceptance, probing, cost table; the cost
+            tables share one verify measurement). A table may be replaced by a ``StaticCostTable``.
+    """
+
+    def __init__(self, k_max: Mapping[str, int]):
+        if not k_max:
+            raise ValueError("a SourceChooser needs at least one source")
+        rows = max(int(k) for k in k_max.values())
+        self.choosers = {name: DraftLengthChooser(int(k)) for name, k in k_max.items()}
+        first = None
+        for chooser in self.choosers.values():
+            chooser.costs = CostTable(rows)  # one size for all, so that the verify measurements can be shared
+            if first is None:
+                first = chooser.costs
+            else:
+                chooser.costs.share_verify(first)
+
+    def choose(self, available: Mapping[str, int], *, free: Collection[str] = ()) -> tuple[str, int]:
+        """This round's source and number of slots to draft from it (0: a plain decode step).
+
+        Args:
+            available: source -> most tokens it can draft now (the loop's cap, or a prompt lookup match's
+                length); a source absent here cannot draft this round (prompt lookup without a match).
+            free: sources whose proposals are in hand already and scored every round (``observe_free``): they
+                never need a probe.
+
+        The source whose best k promises the most tokens per second drafts, planned by its own chooser (which
+        now and then drafts one slot more, to keep measuring the slot after its plan). When no source's best k
+        drafts anything, the sources that are not free are asked in turn, so one that settled at plain steps
+        still probes now and then. With nothing to draft the source returned is the last one asked.
+        """
+        caps = {name: max(0, min(int(n), self.choosers[name].k_max)) for name, n in available.items()}
+        if not caps:
+            return next(reversed(self.choosers)), 0
+        rates = {name: self.choosers[name].best_rate(cap) for name, cap in caps.items()}
+        drafting = [name for name in caps if rates[name][0] > 0]
+        if drafting:
+            source = max(drafting, key=lambda name: rates[name][1])  # the first of equals
+            return source, self.choosers[source].plan(caps[source])
+        source = next(reversed(caps))
+        for name, cap in caps.items():
+            if name in free:
+                continue
+            source = name
+            k = self.choosers[name].plan(cap)
+            if k > 0:
+                return name, k
+        return source, 0
+
+    def observe_round(self, source: str, k: int, n_accepted: int, t_draft: float, t_verify: float,
+                      k_drafted: int | None = None) -> None:
+        """What the round drafted by ``source`` did (as ``DraftLengthChooser.observe_round``); its verify time
+        serves every source."""
+        self.choosers[source].observe_round(k, n_accepted, t_draft, t_verify, k_drafted)
+
+    def observe_free(self, source: str, proposed: Sequence[int], committed: Sequence[int]) -> None:
+        """A free source's proposal that was not verified, scored against the tokens the round committed (the
+        accepted drafts, then the target's token): slot i is reached while the slots before it match and the
+        target's token there is known, and accepted if it matches that token. At temperature > 0 a committed
+        token is a draw from the target's distribution, so a deterministic proposal matches it with exactly
+        the probability that rejection sampling would have accepted it."""
+        k = min(len(proposed), len(committed))
+        matched = next((i for i in range(k) if int(proposed[i]) != int(committed[i])), k)
+        self.choosers[source].observe_acceptance(k, matched)

@@ -14,6 +14,12 @@ One round, in the order of speculative-simple.cpp's comments:
    honoured raises MemoryOpError, it is never ignored), and the drafter
    observes the committed rows' features (anchor + accepted drafts).
 
+A drafter with several sources (``HybridDrafter``: prompt lookup and DSpark)
+is asked for its offers first (prompt lookup's proposal comes free with the
+offer); the cost-aware loop then drafts from the source that promises the most
+tokens per second (``SourceChooser``), a fixed n_draft takes the drafter's own
+pick. ``Step.source`` says which source drafted a round.
+
 After the round the committed tokens occupy positions < pos + n + 1 in the
 target's memory and the new anchor (the target's token) sits at pos + n + 1.
 """
@@ -30,9 +36,10 @@ import numpy as np
 from . import checks
 from .batch import Batch
 from .context import Context
-from .draft_length import CostTable, DraftLengthChooser
+from .draft_length import CostTable, DraftLengthChooser, SourceChooser
 from .drafter import Draft, Drafter
 from .generate import GenerationResult, prompt_tokens, sampling_params, stream_events
+from .hybrid import source_name
 from .sampling import Sampler, probabilities
 from .stats import SpecStats
 from .verify import accept_greedy, accept_stochastic
@@ -40,7 +47,8 @@ from .verify import accept_greedy, accept_stochastic
 
 @dataclass
 class Step:
-    """One round: the committed tokens (accepted drafts, then the target's token)."""
+    """One round: the committed tokens (accepted drafts, then the target's token); ``source`` names what drafted
+    them ("dspark", "lookup", ...; "" for a plain step, which verified no draft)."""
 
     tokens: list[int]
     n_draft: int
@@ -48,6 +56,7 @@ class Step:
     from_draft: list[bool]
     t_draft: float = 0.0
     t_verify: float = 0.0
+    source: str = ""
 
 
 SpecResult = GenerationResult  # the name speculative results had before plain and speculative shared one type
@@ -72,13 +81,20 @@ class Speculator:
     Args:
         target: the target's Context. Hybrid/recurrent targets need ``n_rs_seq >= n_draft`` (use
             ``Speculator.make_target_context`` or pass ``n_rs_seq`` to Context).
-        drafter: a Drafter (``DSparkDrafter``, or any object with its protocol).
+        drafter: a Drafter (``DSparkDrafter``, or any object with its protocol), or a drafter with several sources
+            (``HybridDrafter``: prompt lookup and a model drafter).
         n_draft: draft exactly this many tokens per round (fewer only where the drafter's confidence cut,
-            the context or max_tokens say so). Larger values are clamped to the block size with a warning.
-            Default None: cost-aware, each round picks 0..block size drafts to maximise expected tokens per
-            second (``DraftLengthChooser``: running acceptance, the confidence head, and verify/draft costs
-            measured on this machine); 0 is a plain decode step.
+            the context or max_tokens say so, or a prompt lookup match is shorter). Larger values are clamped to
+            the block size with a warning; a HybridDrafter drafts from prompt lookup when it matches, else from
+            its model drafter. Default None: cost-aware, each round picks 0..block size drafts to maximise
+            expected tokens per second (``DraftLengthChooser``: running acceptance, the confidence head, and
+            verify/draft costs measured on this machine); 0 is a plain decode step. With several sources, the
+            source that promises the most tokens per second drafts (``SourceChooser``: one chooser per source).
         n_draft_min: drafts shorter than this are dropped (the round becomes a plain decode).
+
+    Attributes:
+        source_chooser: the cost-aware choice of source and draft length (None with a fixed n_draft); a
+            single-source drafter is its one source, named by ``hybrid.source_name`` ("dspark", "lookup"...).
 
     Raises:
         TypeError: a target that is not a Context, a drafter without the Drafter protocol (e.g. a path).
@@ -95,9 +111,13 @@ class Speculator:
         n_draft = checks.optional_integer("n_draft", n_draft)
         n_draft_min = checks.integer("n_draft_min", n_draft_min)
         block = int(drafter.block_size)
-        self.draft_length = DraftLengthChooser(block) if n_draft is None else None
-        # measured round costs: the chooser's own table, or one kept only for plain_tok_s_estimate
-        self.costs = self.draft_length.costs if self.draft_length is not None else CostTable(block)
+        # the drafter's sources and their block sizes: a multi-source drafter lists them (the cheapest first)
+        self._multi_source = hasattr(drafter, "offers") and hasattr(drafter, "sources")
+        self._source = "" if self._multi_source else source_name(drafter)
+        sizes = dict(drafter.sources) if self._multi_source else {self._source: block}
+        self.source_chooser = SourceChooser(sizes) if n_draft is None else None
+        # with a fixed n_draft, round costs are measured for plain_tok_s_estimate alone
+        self._fixed_costs = CostTable(block) if n_draft is not None else None
         n_draft = block if n_draft is None else int(n_draft)
         if n_draft < 0 or n_draft_min < 0:
             raise ValueError(f"n_draft and n_draft_min must be >= 0, got {n_draft} and {n_draft_min}")
@@ -115,6 +135,20 @@ class Speculator:
         self.n_draft, self.n_draft_min = n_draft, int(n_draft_min)
         self._batch = Batch(max(n_draft + 1, target.n_batch))
         self.last_stats = SpecStats()
+
+    @property
+    def draft_length(self) -> DraftLengthChooser | None:
+        """The cost-aware draft length chooser of the drafter's source (a multi-source drafter's last-listed one:
+        a HybridDrafter's model drafter; the others are in ``source_chooser.choosers``); None with a fixed
+        n_draft. Its ``costs`` may be replaced (e.g. by a ``StaticCostTable``)."""
+        if self.source_chooser is None:
+            return None
+        return self.source_chooser.choosers[next(reversed(self.source_chooser.choosers))]
+
+    @property
+    def costs(self) -> CostTable:
+        """The measured round costs (the verify costs are the same in every source's table)."""
+        return self._fixed_costs if self.draft_length is None else self.draft_length.costs
 
     @staticmethod
     def target_rs_seq(n_draft: int) -> int:
@@ -186,8 +220,6 @@ class Speculator:
                     clean = True
                     return
                 n_max = min(self.n_draft, n_ctx - pos - 1, n_left - 1)
-                if self.draft_length is not None:
-                    n_max = self.draft_length.plan(n_max)
                 step = self._round(anchor, pos, n_max, sampler, stats)
                 in_memory += [anchor] + step.tokens[:-1]  # the anchor and the accepted drafts were kept
                 pos += len(step.tokens)
@@ -224,12 +256,12 @@ class Speculator:
     def _round(self, anchor: int, pos: int, n_max: int, sampler: Sampler, stats: SpecStats) -> Step:
         ctx, drafter = self.target, self.drafter
         t0 = time.perf_counter()
-        draft = drafter.propose(anchor, pos, n_max, sampler=sampler) if n_max > 0 else Draft(np.zeros(0, np.int32))
-        drafts = np.asarray(draft.tokens[:n_max], dtype=np.int32)
+        source, k_planned, draft, offers = self._draft(anchor, pos, n_max, sampler)
+        drafts = np.asarray(draft.tokens[:k_planned], dtype=np.int32)
         n_drafted = len(drafts)  # what the draft time paid for, before any cut
         t1 = time.perf_counter()
-        if self.draft_length is not None:
-            drafts = drafts[: self.draft_length.cut(draft.confidence, len(drafts), t1 - t0)]
+        if self.source_chooser is not None and n_drafted:
+            drafts = drafts[: self.source_chooser.choosers[source].cut(draft.confidence, n_drafted, t1 - t0)]
         if len(drafts) < self.n_draft_min:
             drafts = drafts[:0]
         # verify: [anchor, d0..dk-1], every row's logits; row i predicts the token after row i's token
@@ -245,16 +277,45 @@ class Speculator:
         features = ctx.capture()[: n + 1].copy() if drafter.capture_layers else None
         drafter.observe(np.concatenate([[anchor], drafts[:n]]).astype(np.int32), features, pos)
         t2 = time.perf_counter()
-        stats.observe_round(k, n)
-        if self.draft_length is not None:
-            self.draft_length.observe_round(k, n, t1 - t0, t2 - t1, k_drafted=n_drafted)
-        else:
-            self.costs.observe(k, t1 - t0, t2 - t1, k_drafted=n_drafted)
-        stats.t_draft += t1 - t0
-        stats.t_verify += t2 - t1
         committed = [int(t) for t in drafts[:n]] + [token]
+        stats.observe_round(k, n, source=source if n_drafted else "", t_draft=t1 - t0)
+        stats.t_verify += t2 - t1
+        if self.source_chooser is not None:
+            self.source_chooser.observe_round(source, k, n, t1 - t0, t2 - t1, k_drafted=n_drafted)
+            for name, offer in offers.items():  # a free proposal left unverified still shows how good it was
+                if offer is not None and (name != source or k == 0):
+                    self.source_chooser.observe_free(name, offer.tokens, committed)
+        else:
+            self._fixed_costs.observe(k, t1 - t0, t2 - t1, k_drafted=n_drafted)
         return Step(tokens=committed, n_draft=k, n_accept=n, from_draft=[True] * n + [False],
-                    t_draft=t1 - t0, t_verify=t2 - t1)
+                    t_draft=t1 - t0, t_verify=t2 - t1, source=source if k else "")
+
+    def _draft(self, anchor: int, pos: int, n_max: int, sampler: Sampler) -> tuple[str, int, Draft, dict]:
+        """This round's proposal: (its source, the most of its tokens to verify, the Draft, the free proposals
+        the drafter offered). A fixed n_draft takes the drafter's own pick of source; the cost-aware loop lets
+        the source chooser pick among the drafter's offers and plan the length."""
+        nothing = Draft(np.zeros(0, np.int32))
+        if self.source_chooser is None:
+            if n_max <= 0:
+                return "", 0, nothing, {}
+            draft = self.drafter.propose(anchor, pos, n_max, sampler=sampler)
+            return draft.source or self._source, n_max, draft, {}
+        if n_max <= 0:  # nothing may be drafted (end of the context or of max_tokens): nobody is asked
+            offers: dict[str, Draft | None] = {}
+        elif self._multi_source:
+            offers = self.drafter.offers(anchor, pos, n_max, sampler=sampler)
+        else:
+            offers = {self._source: None}
+        available = {name: n_max if offer is None else len(offer.tokens) for name, offer in offers.items()}
+        free = [name for name, offer in offers.items() if offer is not None]
+        source, k = self.source_chooser.choose(available, free=free)
+        if k == 0:
+            return source, 0, nothing, offers
+        draft = offers[source]
+        if draft is None:  # a source that pays for its draft is asked only now, for the planned length
+            draft = (self.drafter.propose(anchor, pos, k, sampler=sampler, source=source) if self._multi_source
+                     else self.drafter.propose(anchor, pos, k, sampler=sampler))
+        return source, k, draft, offers
 
     @staticmethod
     def _accept(drafts: np.ndarray, draft: Draft, rows: np.ndarray, sampler: Sampler) -> tuple[int, int]:

@@ -8,6 +8,9 @@ Definitions (DSPARK.md "Metrics"):
 - tau (mean acceptance length) = accepted / rounds + 1 (the +1 is the target's own token).
 - per-position acceptance (1-based i): position i is reached iff i <= a + 1 (and i <= drafted that
   round), accepted iff i <= a.
+- by source: the same counts for each draft source (``Step.source``: "dspark", "lookup"...; a
+  HybridDrafter has two), which sum to the totals; a source's draft time includes rounds whose drafts
+  were all cut (they count as plain steps).
 """
 
 from __future__ import annotations
@@ -16,29 +19,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class SpecStats:
-    n_prompt: int = 0
-    n_generated: int = 0
+class DraftCounts:
+    """Rounds that verified drafts and what became of the drafts: a generation's totals, or one source's share."""
+
     rounds: int = 0
-    plain_steps: int = 0
     drafted: int = 0
     accepted: int = 0
     reached_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
-    t_prefill: float = 0.0
-    t_decode: float = 0.0
     t_draft: float = 0.0
-    t_verify: float = 0.0
-    stop_reason: str = ""
-    n_reused: int = 0  # prompt tokens whose memory a previous generation left (reuse_prefix)
 
-    def observe_round(self, n_drafted: int, n_accepted: int) -> None:
-        """Record one verify decode that checked n_drafted draft tokens and accepted n_accepted."""
-        if not 0 <= n_accepted <= n_drafted:
-            raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted")
-        if n_drafted == 0:
-            self.plain_steps += 1
-            return
+    def _count(self, n_drafted: int, n_accepted: int) -> None:
+        """One verify that checked n_drafted > 0 draft tokens and accepted n_accepted."""
         self.rounds += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
@@ -62,6 +54,53 @@ class SpecStats:
     def per_position_rate(self) -> list[float]:
         return [a / r if r else 0.0 for a, r in zip(self.accepted_per_pos, self.reached_per_pos)]
 
+    def summary(self) -> str:
+        """One line: rounds, drafted, accepted, accept rate, tau, per-position acceptance, draft time."""
+        return (f"rounds {self.rounds}, drafted {self.drafted}, accepted {self.accepted}, "
+                f"accept {100 * self.accept_rate:.3f}%, tau {self.tau:.3f}, "
+                f"per_position {' '.join(f'{r:.2f}' for r in self.per_position_rate) or '-'}, "
+                f"t_draft {self.t_draft:.3f} s")
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+            "accept_rate": self.accept_rate, "tau": self.tau,
+            "accepted_per_pos": list(self.accepted_per_pos), "reached_per_pos": list(self.reached_per_pos),
+            "t_draft": self.t_draft,
+        }
+
+
+@dataclass
+class SpecStats(DraftCounts):
+    n_prompt: int = 0
+    n_generated: int = 0
+    plain_steps: int = 0
+    t_prefill: float = 0.0
+    t_decode: float = 0.0
+    t_verify: float = 0.0
+    stop_reason: str = ""
+    n_reused: int = 0  # prompt tokens whose memory a previous generation left (reuse_prefix)
+    by_source: dict[str, DraftCounts] = field(default_factory=dict)  # in the order the sources first drafted
+
+    def observe_round(self, n_drafted: int, n_accepted: int, *, source: str = "", t_draft: float = 0.0) -> None:
+        """Record one verify decode that checked n_drafted draft tokens and accepted n_accepted.
+
+        ``source`` names what drafted this round ("" for nothing: its counts then go to the totals only);
+        ``t_draft`` (seconds spent drafting) is added to the totals and to the source's.
+        """
+        if not 0 <= n_accepted <= n_drafted:
+            raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted")
+        self.t_draft += t_draft
+        share = self.by_source.setdefault(source, DraftCounts()) if source else None
+        if share is not None:
+            share.t_draft += t_draft
+        if n_drafted == 0:
+            self.plain_steps += 1
+            return
+        self._count(n_drafted, n_accepted)
+        if share is not None:
+            share._count(n_drafted, n_accepted)
+
     @property
     def decode_tok_s(self) -> float:
         """Generated tokens per second of decode time (prefill excluded)."""
@@ -74,7 +113,7 @@ class SpecStats:
         return self.n_generated / total if total > 0 else 0.0
 
     def format(self) -> str:
-        """An aligned `key = value` block, like speculative-simple's."""
+        """An aligned `key = value` block, like speculative-simple's; one ``by <source>`` line per draft source."""
         rows = [
             ("n_prompt", self.n_prompt), ("n_reused", self.n_reused), ("n_generated", self.n_generated),
             ("rounds", self.rounds),
@@ -82,6 +121,7 @@ class SpecStats:
             ("n_drafted", self.drafted), ("n_accepted", self.accepted),
             ("accept", f"{100 * self.accept_rate:.3f}%"), ("tau", f"{self.tau:.3f}"),
             ("per_position", " ".join(f"{r:.2f}" for r in self.per_position_rate)),
+            *((f"by {name}", share.summary()) for name, share in self.by_source.items()),
             ("t_prefill", f"{self.t_prefill:.3f} s"), ("t_decode", f"{self.t_decode:.3f} s"),
             ("t_draft", f"{self.t_draft:.3f} s"), ("t_verify", f"{self.t_verify:.3f} s"),
             ("decode_tok_s", f"{self.decode_tok_s:.2f}"), ("total_tok_s", f"{self.total_tok_s:.2f}"),
@@ -89,6 +129,8 @@ class SpecStats:
         return "\n".join(f"{key:<13} = {value}" for key, value in rows)
 
     def as_dict(self) -> dict:
+        """The figures as plain JSON values; ``by_source`` maps each draft source to its rounds, drafted, accepted,
+        accept_rate, tau, accepted_per_pos, reached_per_pos and t_draft."""
         return {
             "n_prompt": self.n_prompt, "n_reused": self.n_reused, "n_generated": self.n_generated,
             "rounds": self.rounds,
@@ -96,4 +138,5 @@ class SpecStats:
             "drafted": self.drafted, "accepted": self.accepted, "accept_rate": self.accept_rate, "tau": self.tau,
             "accepted_per_pos": list(self.accepted_per_pos), "reached_per_pos": list(self.reached_per_pos),
             "t_prefill": self.t_prefill, "t_decode": self.t_decode, "decode_tok_s": self.decode_tok_s,
+            "by_source": {name: share.as_dict() for name, share in self.by_source.items()},
         }

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """SmolLM2-135M-Instruct + its bundled DSpark drafter on the held-out chat prompts, every configuration side by
-side in one run: cost-aware draft length, fixed k, and a prompt-lookup (n-gram) baseline.
+side in one run: cost-aware draft length, fixed k, a prompt-lookup (n-gram) baseline, and the hybrid (prompt
+lookup and DSpark under the cost-aware chooser, ``--prompt-lookup``).
 
 For each configuration: the OVERALL line of ``pyllama-dspark bench``, per-position acceptance, decode-only and
 end-to-end speedup over plain decoding, token match, the drafter's and the verify's share of decode time, and
@@ -69,8 +70,28 @@ def summarise(name: str, summary: BenchSummary) -> dict:
         "share_verify": t_verify / t_decode if t_decode else 0.0,
         "free_drafter_speedup_at_tau": free_drafter,
         "fraction_of_free_drafter": d["speedup"] / free_drafter if free_drafter else 0.0,
+        "by_source": by_source(rs),
         "per_prompt": d["per_prompt"],
     }
+
+
+def by_source(results) -> dict:
+    """Per draft source over every prompt: rounds, drafted, accepted, tau, per-position acceptance, draft seconds."""
+    out: dict = {}
+    for r in results:
+        for name, c in r.stats.by_source.items():
+            agg = out.setdefault(name, {"rounds": 0, "drafted": 0, "accepted": 0, "t_draft": 0.0,
+                                        "accepted_per_pos": [], "reached_per_pos": []})
+            for key in ("rounds", "drafted", "accepted", "t_draft"):
+                agg[key] += getattr(c, key)
+            for key in ("accepted_per_pos", "reached_per_pos"):
+                values = getattr(c, key)
+                agg[key] += [0] * (len(values) - len(agg[key]))
+                agg[key] = [a + b for a, b in zip(agg[key], list(values) + [0] * (len(agg[key]) - len(values)))]
+    for agg in out.values():
+        agg["tau"] = agg["accepted"] / agg["rounds"] + 1 if agg["rounds"] else 0.0
+        agg["per_position"] = [a / n if n else 0.0 for a, n in zip(agg["accepted_per_pos"], agg["reached_per_pos"])]
+    return out
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -104,20 +125,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-predict", type=int, default=128)
     parser.add_argument("--n-threads", type=int, default=2)
     parser.add_argument("--ks", type=int, nargs="*", default=[1, 2, 3, 4], help="fixed draft lengths to compare")
+    parser.add_argument("--configs", nargs="*", default=None, help="run only these configurations (names as "
+                        "printed: cost-aware, k=N, prompt-lookup, hybrid)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args(argv)
     model_path = args.model or bundled.smollm2_path()
     drafter_path = args.drafter or bundled.drafter_path()
     prompts = load_prompts(args.prompts) if args.prompts else held_out_prompts(args.n_prompts)
-    configs = [("cost-aware", drafter_path, None)] + [(f"k={k}", drafter_path, k) for k in args.ks]
-    configs.append(("prompt-lookup", lambda ctx: PromptLookupDrafter(block_size=4), None))
+    configs = [("cost-aware", drafter_path, None, False)] + [(f"k={k}", drafter_path, k, False) for k in args.ks]
+    configs.append(("prompt-lookup", lambda ctx: PromptLookupDrafter(block_size=4), None, False))
+    configs.append(("hybrid", drafter_path, None, True))
+    if args.configs:
+        unknown = set(args.configs) - {c[0] for c in configs}
+        if unknown:
+            parser.error(f"unknown --configs {sorted(unknown)}; choose from {[c[0] for c in configs]}")
+        configs = [c for c in configs if c[0] in args.configs]
     results = []
     with Model(model_path) as model:
-        for name, drafter, n_draft in configs:
+        for name, drafter, n_draft, lookup in configs:
             summary = BenchSummary()
             for result in run_bench(model, drafter, prompts, n_predict=args.n_predict, n_draft=n_draft,
-                                    n_threads=args.n_threads, n_ctx=2048):
+                                    prompt_lookup=lookup, n_threads=args.n_threads, n_ctx=2048):
                 summary.results.append(result)
             row = summarise(name, summary)
             results.append(row)
@@ -127,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"verify {100 * row['share_verify']:.0f}% of decode  free-drafter speedup at this tau "
                   f"{row['free_drafter_speedup_at_tau']:.2f} (reached {100 * row['fraction_of_free_drafter']:.0f}%)",
                   flush=True)
+            for source, agg in row["by_source"].items() if len(row["by_source"]) > 1 else ():
+                print(f"{'':>14}  by {source}: rounds {agg['rounds']}, drafted {agg['drafted']}, accepted "
+                      f"{agg['accepted']}, tau {agg['tau']:.2f}, per-position "
+                      f"{' '.join(f'{x:.2f}' for x in agg['per_position'])}", flush=True)
     report = {"machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
                           "python": platform.python_version(), "build": build_info()},
               "model": str(model_path), "drafter": str(drafter_path), "n_prompts": len(prompts),
