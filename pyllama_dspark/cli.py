@@ -73,6 +73,11 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="drafts shorter than this become a plain decode step (default 0)")
     p.add_argument("--draft-p-min", "--p-min", dest="p_min", type=float, default=0.0,
                    help="cut drafts at the first slot whose confidence is below this (default 0 = off)")
+    p.add_argument("--prompt-lookup", action=argparse.BooleanOptionalAction, default=False,
+                   help="also draft by prompt lookup (what followed the text's last tokens earlier in the prompt or "
+                        "output): each round drafts from lookup or the drafter, whichever promises more tokens per "
+                        "second (with --draft-max: lookup whenever it matches); without a drafter, lookup alone "
+                        "(default: off)")
 
 
 def _add_json_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -166,7 +171,7 @@ def _add_train_parser(sub, parents: list) -> None:
     t.add_argument("-n", "--n-predict", type=int, default=256, help="tokens the target generates per prompt")
     t.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.0,
                    help="0 = greedy continuations (default)")
-    budget = t.add_mutually_exclusive_group(required=True)
+    budget = t.add_mutually_exclusive_group()  # one of them, unless --data-only (checked by the pipeline)
     budget.add_argument("--steps", type=int, help="optimizer steps")
     budget.add_argument("--minutes", type=float, help="training time budget (resolved to steps once)")
     t.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
@@ -179,6 +184,25 @@ def _add_train_parser(sub, parents: list) -> None:
     t.add_argument("--checkpoint-steps", type=int, default=0, help="checkpoint every N steps (default: every 60 s)")
     t.add_argument("--shard-size", type=int, default=16, help="prompts per data shard")
     t.add_argument("--eval-n-predict", type=int, default=None, help="tokens per held-out prompt (default --n-predict)")
+    t.add_argument("--draft-vocab", type=int, default=0, help="reduced draft vocabulary: the N most frequent tokens "
+                   "of the target's outputs plus every control, end-of-generation and chat-template token (default 0: "
+                   "the whole vocabulary)")
+    t.add_argument("--ce-weight", type=float, default=0.1, help="weight of cross-entropy with the target's token")
+    t.add_argument("--tv-weight", type=float, default=0.9, help="weight of total variation from the target's "
+                   "distribution")
+    t.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL(target || draft)")
+    t.add_argument("--gamma", type=float, default=4.0, help="slot k's loss weight is exp(-k / gamma)")
+    t.add_argument("--warmup", type=float, default=0.05, help="fraction of steps of linear warm-up before the "
+                   "cosine decay")
+    t.add_argument("--noise", type=float, default=0.0, help="Gaussian noise on the feature rows in training, "
+                   "relative to their RMS")
+    t.add_argument("--data-dir", default=None, help="data folder to use instead of WORK_DIR/data (shared by runs of "
+                   "other training settings on the same data; refused if it holds other data)")
+    t.add_argument("--data-only", action="store_true", help="generate the data, then stop (no training)")
+    t.add_argument("--data-limit", type=int, default=0, help="generate and train on only the first sequences "
+                   "holding N generated tokens (default 0: all)")
+    t.add_argument("--init-layer", type=int, default=-1, help="initialise the drafter's layers from this target "
+                   "layer's attention and MLP weights (default -1: random)")
     _add_json_arg(t, "the figures")
 
 
@@ -230,15 +254,18 @@ def _loaded(args, model_path: Path, drafter_path: Path | None):
     from .model import Model
 
     t0 = time.perf_counter()
-    _say(f"loading {model_path}" + (f" with the drafter {drafter_path}" if drafter_path else ""))
+    lookup = args.prompt_lookup
+    sources = ([f"the drafter {drafter_path}"] if drafter_path else []) + (["prompt lookup"] if lookup else [])
+    _say(f"loading {model_path}" + (f" with {' and '.join(sources)}" if sources else ""))
     with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
         with load(model, drafter_path, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
-                  n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min,
+                  n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=lookup,
                   n_gpu_layers=args.n_gpu_layers) as llm:
             drafter, spec = llm.drafter, llm.speculator
             drafting = ("plain decoding" if drafter is None else
                         f"drafter block {drafter.block_size}, reading target layers {list(drafter.capture_layers)}, "
-                        + ("cost-aware draft length" if args.n_draft is None else f"{spec.n_draft} drafts per round"))
+                        + ("cost-aware draft length" if args.n_draft is None else f"{spec.n_draft} drafts per round")
+                        + (f", sources {', '.join(drafter.sources)}" if hasattr(drafter, "sources") else ""))
             _say(f"loaded in {time.perf_counter() - t0:.2f} s: {model.arch}, {model.n_layer} layers, "
                  f"{model.n_params / 1e6:.0f}M parameters, n_ctx {llm.ctx.n_ctx}; {drafting}")
             yield llm
@@ -341,7 +368,8 @@ def _cmd_bench(args) -> int:
     summary, out = BenchSummary(), _report(args)
     with Model(args.model, n_gpu_layers=args.n_gpu_layers) as model:
         for result in run_bench(model, args.drafter, prompts, n_predict=args.max_tokens, n_draft=args.n_draft,
-                                n_draft_min=args.n_draft_min, p_min=args.p_min, n_threads=args.n_threads,
+                                n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=args.prompt_lookup,
+                                n_threads=args.n_threads,
                                 n_ctx=args.n_ctx, n_batch=args.n_batch, n_gpu_layers=args.n_gpu_layers,
                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
             summary.results.append(result)
@@ -408,6 +436,7 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
     from .context import Context
     from .drafter import DSparkDrafter
     from .generate import generate
+    from .hybrid import HybridDrafter
     from .model import Model
     from .speculative import Speculator
 
@@ -420,8 +449,11 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
         ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
         drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, p_min=args.p_min,
                                 n_gpu_layers=args.n_gpu_layers)
+        if args.prompt_lookup:
+            drafter = HybridDrafter(drafter)
         spec = Speculator(ctx, drafter, n_draft=args.n_draft, n_draft_min=args.n_draft_min)
-        print(f"demo: {target_path.name} with the DSpark drafter {drafter_path.name} "
+        print(f"demo: {target_path.name} with the DSpark drafter {drafter_path.name}"
+              f"{' and prompt lookup' if args.prompt_lookup else ''} "
               f"({'cost-aware draft length' if args.n_draft is None else f'{args.n_draft} drafts per round'}, "
               f"{args.n_threads or 'all'} threads)\n> {args.prompt}", file=sys.stderr)
         tokens, text, _ = _stream_to(_report(args), spec.generate(prompt, stream=True, **knobs))
@@ -488,8 +520,11 @@ def _cmd_train(args) -> int:
         n_predict=args.n_predict, temperature=args.temperature, steps=args.steps, minutes=args.minutes, lr=args.lr,
         seed=args.seed, n_threads=args.n_threads, outtype=args.outtype, anchors=args.anchors,
         seqs_per_step=args.seqs_per_step, parallel=args.parallel, checkpoint_steps=args.checkpoint_steps,
-        shard_size=args.shard_size,
-        eval_n_predict=args.eval_n_predict)
+        shard_size=args.shard_size, eval_n_predict=args.eval_n_predict, draft_vocab=args.draft_vocab,
+        ce_weight=args.ce_weight, tv_weight=args.tv_weight, kl_weight=args.kl_weight, gamma=args.gamma,
+        warmup=args.warmup, noise=args.noise, init_layer=args.init_layer,
+        data_dir=Path(args.data_dir) if args.data_dir else None, data_limit=args.data_limit,
+        data_only=args.data_only)
     print(f"train: target {options.target.name}, work directory {options.work_dir or '(next to --outfile)'}",
           file=sys.stderr)
     report = run(options)

@@ -45,12 +45,15 @@ class Draft:
         confidence: [len(tokens)] per-slot acceptance estimate, or None without a confidence head.
         probs: [len(tokens), n_vocab] the draft distributions q the tokens were drawn from (sampling
             only); None for a greedy draft (the loop then treats q as one-hot).
+        source: which source drafted it, for a drafter with several ("lookup", "dspark": see
+            ``HybridDrafter``); "" from a single-source drafter (the loop names its rounds by the drafter).
     """
 
     tokens: np.ndarray
     logits: np.ndarray | None = None
     confidence: np.ndarray | None = None
     probs: np.ndarray | None = None
+    source: str = ""
 
 
 class Drafter(Protocol):
@@ -85,6 +88,7 @@ class DrafterInfo:
     has_confidence: bool
     sample_from_anchor: bool
     markov_rank: int = 0  # 0: no Markov head (the "DFlash ablation"), slots are independent
+    n_vocab_draft: int = 0  # rows of the drafter's output head: the target's n_vocab, or fewer with a d2t table
 
     @property
     def capture_layers(self) -> list[int]:
@@ -128,6 +132,9 @@ def inspect_drafter(drafter: Model, target: Model) -> DrafterInfo:
     block = int(drafter.gguf_value("dflash.block_size", 0))
     if block < 1:
         fail("dflash.block_size missing or < 1")
+    n_vocab_draft = target.n_vocab
+    if "d2t" in tensors:
+        n_vocab_draft = len(draft_vocabulary(drafter, target.n_vocab, mask, fail))
     return DrafterInfo(
         block_size=block,
         target_layers=taps,
@@ -135,7 +142,41 @@ def inspect_drafter(drafter: Model, target: Model) -> DrafterInfo:
         has_confidence="conf_proj.weight" in tensors,
         sample_from_anchor=anchor_first,
         markov_rank=int(tensors["markov_w1.weight"][0]) if "markov_w1.weight" in tensors else 0,
+        n_vocab_draft=n_vocab_draft,
     )
+
+
+def draft_vocabulary(drafter: Model, n_vocab: int, mask: int, fail) -> np.ndarray:
+    """The target ids of a reduced draft vocabulary (the GGUF's ``d2t``: I64, one absolute target id per
+    row of the drafter's own output head and of ``markov_w2``), checked the way llama.cpp's graph needs it:
+    llama.cpp scatters draft row i to target id d2t[i] and leaves every other id at -inf, so an id out of
+    range would write outside the logits, a repeated id would drop a row, and the mask token must never be
+    drafted. Calls ``fail(message)`` on any violation."""
+    import gguf
+
+    header = drafter.gguf_header
+    info = header.tensors["d2t"]
+    type_name = gguf.GGMLQuantizationType(info.ggml_type).name
+    if type_name != "I64" or len(info.shape) != 1:
+        fail(f"d2t must be a 1-D I64 tensor of target token ids, got {type_name} of shape {list(info.shape)}")
+    ids = np.asarray(header.tensor_data("d2t"), dtype=np.int64).reshape(-1)
+    if not 1 <= len(ids) <= n_vocab:
+        fail(f"d2t has {len(ids)} entries; a draft vocabulary needs 1..{n_vocab}")
+    if ids.min() < 0 or ids.max() >= n_vocab:
+        fail(f"d2t maps to target ids outside [0, {n_vocab})")
+    if np.unique(ids).size != ids.size:
+        fail("d2t maps two draft tokens to the same target id")
+    if mask in set(ids.tolist()):
+        fail(f"d2t contains the mask token {mask}, which must never be drafted")
+    shapes = {name: t.shape for name, t in header.tensors.items()}
+    output = shapes.get("output.weight")
+    if output is None or output[-1] != len(ids):
+        fail(f"a reduced draft vocabulary of {len(ids)} tokens needs its own output.weight with {len(ids)} rows, "
+             f"got {None if output is None else list(output)}")
+    w2 = shapes.get("markov_w2.weight")
+    if w2 is not None and w2[-1] != len(ids):
+        fail(f"markov_w2 has {w2[-1]} rows, the draft vocabulary {len(ids)}")
+    return ids
 
 
 class DSparkDrafter:
@@ -334,14 +375,24 @@ class DSparkDrafter:
             self._bias = lambda prev: np.zeros((len(prev), n_vocab))
         if self._bias is None:
             header = self.model.gguf_header
-            if "d2t" in header.tensors:
-                raise DrafterError("sampling with a reduced draft vocabulary (d2t) is not supported; use "
-                                   "temperature 0", op="DSparkDrafter.propose")
             w1 = header.dequantized("markov_w1.weight")  # [n_vocab, R]
-            w2 = header.dequantized("markov_w2.weight")  # [n_vocab, R]
+            w2 = header.dequantized("markov_w2.weight")  # [n_vocab_draft, R]
             scale = float(header.dequantized("markov_w2.scale").ravel()[0]) if "markov_w2.scale" in header.tensors \
                 else 1.0
-            self._bias = lambda prev: (w1[prev] @ w2.T) * scale
+            if "d2t" in header.tensors:
+                # as in the graph: the reduced rows scattered to their target ids, zero bias elsewhere (those ids'
+                # logits are -inf, so they keep probability 0 and are never drafted)
+                ids = np.asarray(header.tensor_data("d2t"), dtype=np.int64).reshape(-1)
+                n_vocab = self.model.n_vocab
+
+                def bias(prev):
+                    out = np.zeros((len(prev), n_vocab))
+                    out[:, ids] = (w1[prev] @ w2.T) * scale
+                    return out
+
+                self._bias = bias
+            else:
+                self._bias = lambda prev: (w1[prev] @ w2.T) * scale
         return self._bias
 
 
@@ -357,6 +408,7 @@ class PromptLookupDrafter:
     """
 
     capture_layers: list[int] = []
+    source = "lookup"  # what its rounds are called in Step.source and SpecStats.by_source
 
     def __init__(self, *, ngram_max: int = 3, ngram_min: int = 1, block_size: int = 4):
         if not 1 <= ngram_min <= ngram_max or block_size < 1:

@@ -211,6 +211,11 @@ class Model(Owned):
         """True for end-of-generation tokens (EOS, EOT, ...)."""
         return bool(lib.llama_vocab_is_eog(self._live_vocab(), int(token)))
 
+    def is_control(self, token: int) -> bool:
+        """True for control tokens (chat markers, BOS/EOS and other special tokens the tokenizer never writes
+        from plain text)."""
+        return bool(lib.llama_vocab_is_control(self._live_vocab(), int(token)))
+
     @property
     def special_tokens(self) -> dict[str, int]:
         """bos, eos, eot, nl, pad, mask ids (-1 where the vocabulary has none)."""

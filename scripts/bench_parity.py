@@ -136,16 +136,19 @@ def compare(model: Model, exe: Path, args) -> dict:
             "cpp_tok_s": cpp, "ours_tok_s": ours, "ours_over_cpp": ours / cpp}
 
 
-def tiny_models(folder: Path) -> tuple[Path, Path]:
+def tiny_models(folder: Path, draft_vocab: int | None = None) -> tuple[Path, Path]:
+    """A tiny kit target and a random DSpark drafter for it (with ``draft_vocab``: a reduced draft vocabulary of
+    that many ids, d2t)."""
     from pyllama_dspark.convert.converter import convert
     from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
 
     spec = TinySpec(arch="llama", n_layer=4, n_embd=256, n_head=8, n_head_kv=4, n_ff=768, vocab="llama-spm")
     target = tiny_model(spec, cache_dir=folder)
-    drafter = folder / "dspark-drafter.gguf"
+    suffix = f"-vocab{draft_vocab}" if draft_vocab else ""
+    drafter = folder / f"dspark-drafter{suffix}.gguf"
     if not drafter.exists():
-        ck = write_tiny_dspark_checkpoint(folder / "dspark-ck", target=spec, block_size=4, dtype="f32",
-                                          target_cache_dir=folder)
+        ck = write_tiny_dspark_checkpoint(folder / f"dspark-ck{suffix}", target=spec, block_size=4, dtype="f32",
+                                          target_cache_dir=folder, draft_vocab_size=draft_vocab)
         convert(ck, drafter, outtype="f16", target_gguf=target)
     return target, drafter
 
@@ -155,6 +158,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path)
     parser.add_argument("--drafter", type=Path)
     parser.add_argument("--tiny", action="store_true", help="use a tiny kit target and drafter")
+    parser.add_argument("--tiny-draft-vocab", type=int, default=None,
+                        help="with --tiny: the drafter has a reduced draft vocabulary of N ids (d2t)")
     parser.add_argument("--prompt", action="append", default=None)
     parser.add_argument("--n-predict", type=int, default=128)
     parser.add_argument("--n-draft", type=int, default=4)
@@ -165,7 +170,8 @@ def main() -> None:
     args = parser.parse_args()
     args.prompt = args.prompt or PROMPTS
     if args.tiny:
-        args.model, args.drafter = tiny_models(Path(tempfile.gettempdir()) / "pyllama-dspark-parity")
+        args.model, args.drafter = tiny_models(Path(tempfile.gettempdir()) / "pyllama-dspark-parity",
+                                               args.tiny_draft_vocab)
     if not (args.model and args.drafter):
         parser.error("give --model and --drafter, or --tiny")
     exe = find_or_build_tool()

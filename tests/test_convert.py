@@ -436,6 +436,32 @@ def _add_unknown(v):
     v["model.layers.0.self_attn.rotary_scale"] = np.ones(4, np.float32)
 
 
+def _t2d_flip(v):
+    """t2d marks one id d2t does not map, and drops one it does."""
+    t2d = v["t2d"].copy()
+    kept = np.flatnonzero(t2d)
+    t2d[kept[0]] = False
+    t2d[np.flatnonzero(~t2d)[-1]] = True
+    v["t2d"] = t2d
+
+
+def _d2t_repeat(v):
+    """draft rows 0 and 1 both map to the first row's target id (offsets are target id - draft row)."""
+    d2t = v["d2t"].copy()
+    d2t[1] = d2t[0] - 1
+    v["d2t"] = d2t
+
+
+def _d2t_to_mask(v):
+    """the last draft row maps to target id 255, the checkpoint's mask token."""
+    d2t = v["d2t"].copy()
+    d2t[-1] = 255 - (len(d2t) - 1)
+    v["d2t"] = d2t
+    t2d = np.zeros(256, np.bool_)
+    t2d[d2t + np.arange(len(d2t))] = True
+    v["t2d"] = t2d
+
+
 CHECKPOINT_ERRORS = [
     ("unknown architecture", {}, lambda f: edit_config(f, architectures=["LlamaForCausalLM"]),
      errors.UnsupportedModelError, "architecture 'LlamaForCausalLM'"),
@@ -455,6 +481,22 @@ CHECKPOINT_ERRORS = [
      errors.UnsupportedModelError, "markov_rank=0"),
     ("reduced vocab without d2t", {"draft_vocab_size": 100}, lambda f: rewrite_tensors(f, _drop("d2t")),
      errors.MissingTensorError, r"d2t \(d2t, shape \[100\]\)"),
+    ("t2d disagrees with d2t", {"draft_vocab_size": 100}, lambda f: rewrite_tensors(f, _t2d_flip),
+     errors.CheckpointError, r"t2d and d2t disagree on the draft vocabulary: t2d marks 100 target ids, d2t maps 100"),
+    ("t2d without d2t", {}, lambda f: rewrite_tensors(f, lambda v: v.update(t2d=np.ones(256, np.bool_))),
+     errors.CheckpointError, "has 't2d' \\(t2d\\) but no d2t table"),
+    ("t2d of the wrong length", {"draft_vocab_size": 100},
+     lambda f: rewrite_tensors(f, lambda v: v.update(t2d=v["t2d"][:200].copy())),
+     errors.TensorShapeError, r"\(t2d\): expected shape \[256\]"),
+    ("d2t repeats a target id", {"draft_vocab_size": 100}, lambda f: rewrite_tensors(f, _d2t_repeat),
+     errors.CheckpointError, "d2t maps two draft tokens to the same target id"),
+    ("d2t maps to the mask token", {"draft_vocab_size": 100}, lambda f: rewrite_tensors(f, _d2t_to_mask),
+     errors.CheckpointError, "d2t maps a draft token to the mask token 255"),
+    ("d2t beyond the vocab", {"draft_vocab_size": 100},
+     lambda f: rewrite_tensors(f, lambda v: v.update(d2t=v["d2t"] + 300)),
+     errors.CheckpointError, r"d2t maps to target ids outside \[0, 256\)"),
+    ("draft_vocab_size disagrees with d2t", {"draft_vocab_size": 100}, lambda f: edit_config(f, draft_vocab_size=90),
+     errors.TensorShapeError, r"expected shape \[90[^\]]*\], got \[100"),
     ("mask id outside the vocab", {}, lambda f: edit_config(f, mask_token_id=256),
      errors.InvalidConfigError, r"mask_token_id 256 is outside the vocabulary \[0, 256\)"),
     ("no taps", {}, lambda f: edit_config(f, target_layer_ids=[]),

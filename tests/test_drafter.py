@@ -197,6 +197,84 @@ def test_sampled_drafts_chain_the_markov_bias_through_the_drawn_tokens(target_pa
     assert differs, "no draw left the greedy chain: the test did not exercise the re-chaining"
 
 
+# --- a reduced draft vocabulary (d2t): its own head rows, scattered to the target's ids -------------------
+
+def draft_ids(path) -> np.ndarray:
+    import gguf
+
+    return np.array(next(t for t in gguf.GGUFReader(path).tensors if t.name == "d2t").data, dtype=np.int64)
+
+
+def test_a_reduced_vocabulary_drafter_matches_the_reference_and_drafts_only_its_tokens(target_path, make_drafter):
+    path = make_drafter(block_size=4, markov_rank=8, draft_vocab_size=100)
+    ids = draft_ids(path)
+    outside = np.setdiff1d(np.arange(256), ids)
+    for n_context in (3, 17, 40):
+        draft, expected, info = native_and_reference(target_path, path, n_context)
+        assert info.n_vocab_draft == 100
+        assert np.isneginf(draft.logits[:, outside]).all() and np.isfinite(draft.logits[:, ids]).all()
+        assert rel_err(draft.logits[:, ids], expected.logits[:, ids]) < 1e-3
+        assert set(draft.tokens.tolist()) <= set(ids.tolist())
+        assert_decisive_tokens_match(draft.tokens, expected.logits)
+
+
+def test_a_reduced_vocabulary_drafter_samples_with_q_zero_outside_its_tokens(target_path, make_drafter):
+    """T > 0: q is the softmax of the chained logits over the draft vocabulary, exactly 0 elsewhere (rejection
+    sampling then never accepts a token the drafter cannot propose, and stays exact)."""
+    from pyllama_dspark.sampling import Sampler, SamplingParams, probabilities
+
+    path = make_drafter(block_size=4, markov_rank=8, draft_vocab_size=100)
+    ids = draft_ids(path)
+    outside = np.setdiff1d(np.arange(256), ids)
+    params = SamplingParams(temperature=1.5, seed=3)
+    sampler, differs = Sampler(params), False
+    with prefilled(target_path, path, 12) as (drafter, rows):
+        for _ in range(5):
+            draft = drafter.propose(77, 12, sampler=sampler)
+            assert (draft.probs[:, outside] == 0).all() and set(draft.tokens.tolist()) <= set(ids.tolist())
+            expected = reference(target_path, path, rows, drafter.info, prev_tokens=draft.tokens[:-1].tolist())
+            assert rel_err(draft.logits[:, ids], expected.logits[:, ids]) < 1e-3
+            q = np.stack([probabilities(row, params) for row in expected.logits])
+            np.testing.assert_allclose(draft.probs, q, atol=1e-3)
+            differs |= draft.tokens[:-1].tolist() != expected.tokens[:-1]
+    assert differs, "no draw left the greedy chain: the test did not exercise the re-chaining"
+
+
+def _edit_d2t(src, dst, edit):
+    """A copy of the GGUF at src whose d2t values are changed in place by edit(array)."""
+    import shutil
+
+    import gguf
+
+    shutil.copy(src, dst)
+    edit(next(t for t in gguf.GGUFReader(dst, "r+").tensors if t.name == "d2t").data)
+    return dst
+
+
+@pytest.mark.parametrize("case, edit, message", [
+    ("repeated id", lambda d: d.__setitem__(1, d[0]), "maps two draft tokens to the same target id"),
+    ("id beyond the vocabulary", lambda d: d.__setitem__(-1, 256), r"outside \[0, 256\)"),
+    ("negative id", lambda d: d.__setitem__(0, -1), r"outside \[0, 256\)"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_malformed_d2t_is_refused_before_any_decode(target_path, make_drafter, tmp_path, case, edit, message):
+    """llama.cpp would scatter through d2t unchecked: out of range writes outside the logits."""
+    path = _edit_d2t(make_drafter(block_size=4, markov_rank=8, draft_vocab_size=100), tmp_path / "bad.gguf", edit)
+    with Model(target_path) as model:
+        ctx = Context(model, n_ctx=64)
+        with pytest.raises(DrafterError, match=message):
+            DSparkDrafter(path, ctx)
+
+
+def test_a_d2t_holding_the_mask_token_is_refused(target_path, make_drafter, tmp_path):
+    path = make_drafter(block_size=4, markov_rank=8, draft_vocab_size=100)
+    with Model(target_path) as model:
+        ctx = Context(model, n_ctx=64)
+        mask = DSparkDrafter(path, ctx).info.mask_token
+        bad = _edit_d2t(path, tmp_path / "mask.gguf", lambda d: d.__setitem__(-1, mask))
+        with pytest.raises(DrafterError, match=f"d2t contains the mask token {mask}"):
+            DSparkDrafter(bad, ctx)
+
+
 def test_prompt_lookup_proposes_what_followed_the_latest_match():
     d = PromptLookupDrafter(ngram_max=2, block_size=3)
     d.observe(np.array([5, 6, 7, 8, 5, 6, 9, 1, 2]), None, 0)

@@ -55,3 +55,29 @@ def test_dspark_output_equals_plain_greedy(target_and_drafter, n_draft):
             ctx.close()
             assert tokens == expected, f"{arch} n_draft={n_draft} prompt={prompt[:4]}"
             assert stats.drafted > 0 and stats.rounds > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+def test_reduced_vocabulary_dspark_output_equals_plain_greedy(model_dir, tmp_path, arch):
+    """A drafter with its own head over 120 of the 256 ids (d2t): drafts only those, output still exact."""
+    spec = TinySpec(arch=arch, n_layer=3)
+    target = tiny_model(spec, cache_dir=model_dir)
+    ck = write_tiny_dspark_checkpoint(tmp_path / "ck", target=spec, block_size=4, dtype="f32",
+                                      target_cache_dir=model_dir, draft_vocab_size=120)
+    drafter_path = convert(ck, tmp_path / "drafter.gguf", target_gguf=target).path
+    with Model(target) as model:
+        for prompt in PROMPTS[:3]:
+            plain_ctx = Context(model, n_ctx=512, n_batch=16)
+            expected = generate(plain_ctx, prompt, max_tokens=64, stop_at_eog=False).tokens
+            plain_ctx.close()
+            ctx = Context(model, n_ctx=512, n_batch=16, n_rs_seq=Speculator.target_rs_seq(4))
+            drafter = DSparkDrafter(drafter_path, ctx)
+            assert drafter.info.n_vocab_draft == 120
+            stats = SpecStats()
+            steps = Speculator(ctx, drafter, n_draft=4).run(np.asarray(prompt), max_tokens=64, stop_at_eog=False,
+                                                            stats=stats)
+            tokens = [t for step in steps for t in step.tokens]
+            drafter.close()
+            ctx.close()
+            assert tokens == expected, f"{arch} prompt={prompt[:4]}"
+            assert stats.drafted > 0

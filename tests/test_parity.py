@@ -16,11 +16,14 @@ SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_parity.py"
 
 
 @pytest.mark.peer
-def test_tokens_equal_llama_speculative_simple(tmp_path):
+@pytest.mark.parametrize("draft_vocab", [None, 20000], ids=["full-vocabulary", "reduced-vocabulary"])
+def test_tokens_equal_llama_speculative_simple(tmp_path, draft_vocab):
+    """Also with a reduced draft vocabulary (d2t): upstream's graph scatters the draft rows the same way."""
     if tool_path("llama-speculative-simple") is None:
         pytest.skip("llama-speculative-simple not built (-C cmake.define.PYLLAMA_DSPARK_TOOLS=...)")
     out = tmp_path / "parity.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--n-predict", "48", "--repeats", "1",
+    extra = ["--tiny-draft-vocab", str(draft_vocab)] if draft_vocab else []
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", *extra, "--n-predict", "48", "--repeats", "1",
                            "--json", str(out)], capture_output=True, text=True, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     result = json.loads(out.read_text())

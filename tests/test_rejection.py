@@ -248,12 +248,16 @@ def _retempered(table, ctx, sampling):
     return {prefix: reference_probs(_logits_after(ctx, E2E_PROMPT + list(prefix)), **other) for prefix in table}
 
 
-def test_tokens_2_and_3_follow_the_target_with_the_dspark_drafters_probabilities(model_dir, tmp_path):
+@pytest.mark.parametrize("draft_vocab_size", [None, 20], ids=["full-vocabulary", "reduced-vocabulary"])
+def test_tokens_2_and_3_follow_the_target_with_the_dspark_drafters_probabilities(model_dir, tmp_path,
+                                                                                 draft_vocab_size):
+    """With a reduced draft vocabulary (d2t) q is 0 outside it: tokens the drafter cannot propose come from the
+    residual distribution alone, and the output still follows the target."""
     sampling = dict(temperature=0.8, top_k=3)
     n_runs = 3000
     target = tiny_model(E2E_TARGET, cache_dir=model_dir)
     ck = write_tiny_dspark_checkpoint(tmp_path / "ck", target=E2E_TARGET, block_size=2, dtype="f32",
-                                      target_cache_dir=model_dir)
+                                      target_cache_dir=model_dir, draft_vocab_size=draft_vocab_size)
     drafter_path = convert(ck, tmp_path / "drafter.gguf", outtype="f32", target_gguf=target).path
     with Model(target) as model:
         ctx = Context(model, n_ctx=64, n_batch=16)

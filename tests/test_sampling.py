@@ -60,3 +60,25 @@ def test_top_k_and_top_p_at_a_temperature_other_than_one():
     p = probabilities(logits, SamplingParams(temperature=2.0, top_p=0.8))
     keep = np.array([1.0, 1.0, 1.0, 0.0])
     np.testing.assert_allclose(p, full * keep / (full * keep).sum(), rtol=1e-12)
+
+
+def test_top_p_over_a_large_vocabulary_equals_the_full_sort_bit_for_bit():
+    """probabilities sorts only the most likely tokens when they reach top_p (a full sort of 49k ids per token
+    cost milliseconds); the result must be the full stable sort's, ties included, and for flat distributions
+    (where the nucleus spans more than the partitioned candidates) too."""
+    rng = np.random.default_rng(0)
+
+    def full_sort(logits, temperature, top_p):
+        probs = np.exp(logits / temperature - (logits / temperature).max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        cut = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+        probs[order[cut:]] = 0.0
+        return probs / probs.sum()
+
+    for scale, rounding, top_p in [(8.0, None, 0.95), (2.0, 1, 0.9), (0.3, None, 0.99), (0.05, 2, 0.5)]:
+        logits = rng.standard_normal(49152) * scale
+        if rounding is not None:
+            logits = np.round(logits, rounding)  # many exact ties, at the nucleus' edge too
+        got = probabilities(logits, SamplingParams(temperature=0.8, top_p=top_p))
+        np.testing.assert_array_equal(got, full_sort(logits.astype(np.float64), 0.8, top_p))

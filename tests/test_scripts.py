@@ -78,3 +78,49 @@ def test_bench_contention_small(tmp_path, make_pair):
         assert len(row["procs_1"]["each"]) == 1 and len(row["procs_2"]["each"]) == 2
         assert row["procs_2"]["sum"] > 0 and all(r > 0 for r in row["procs_2"]["each"])
     assert rows["plain", "pure-spin"]["env"] == {"GGML_SPINS_BEFORE_YIELD": "-1"}
+
+
+def test_make_varied_prompts_small(tmp_path, make_model):
+    """The target writes prompts (tiny random model: noise, but the pipeline runs): written questions, two-turn
+    chats and templates; the user-style held-out prompts are written beside them and never leak into training."""
+    target = make_model(arch="llama", n_layer=2, vocab="llama-spm", chat_template="chatml")
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "make_varied_prompts.py"), "--target", str(target),
+                           "--out-dir", str(tmp_path / "p"), "--n-written", "24", "--n-multi-turn", "3",
+                           "--n-templates", "5", "--parallel", "8"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import make_varied_prompts as mvp
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    train = [json.loads(line) for line in (tmp_path / "p" / "train.jsonl").read_text().splitlines()]
+    held = [json.loads(line) for line in (tmp_path / "p" / "held_out_user.jsonl").read_text().splitlines()]
+    assert len(held) == len(mvp.HELD_OUT_USER) and len(train) >= 5
+    assert all(m["role"] in ("user", "assistant") and isinstance(m["content"], str)
+               for item in train for m in item["messages"])
+    keywords = mvp.held_out_keywords()
+    assert not [item for item in train if any(mvp.leaks(m["content"], keywords) for m in item["messages"]
+                                               if m["role"] == "user")]
+    assert (tmp_path / "p" / "templates" / "held_out.jsonl").is_file()
+
+
+def test_bench_draft_vocab_small(tmp_path, make_pair):
+    from pyllama_dspark.testing import TinySpec
+
+    pair = make_pair(TinySpec(arch="llama", n_layer=3, vocab="llama-spm"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"story {i} about a cat"}) + "\n" for i in range(6)))
+    data = subprocess.run([sys.executable, "-m", "pyllama_dspark", "train", "--target", str(pair.target), "--prompts",
+                           str(prompts), "--n-predict", "12", "--block-size", "3", "--data-only", "--work-dir",
+                           str(tmp_path / "w"), "--outfile", str(tmp_path / "x.gguf")], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=600)
+    assert data.returncode == 0, data.stderr[-3000:]
+    result = run_script("bench_draft_vocab.py", "--target", str(pair.target), "--drafter", str(pair.drafter),
+                        "--data-dir", str(tmp_path / "w" / "data"), "--eval-prompts", str(prompts), "--sizes", "100",
+                        "1000", "--n-predict", "8", "--repeats", "2", "--ks", "1", "2", tmp_path=tmp_path)
+    assert set(result["sizes"]) == {"100", "1000"}
+    for entry in result["sizes"].values():
+        assert 0.0 <= entry["coverage"] <= 1.0 and set(entry["propose_ms"]) == {"1", "2"}
+        assert entry["token_match"] == entry["prompts"] == 6
+    assert result["sizes"]["1000"]["coverage"] >= result["sizes"]["100"]["coverage"]

@@ -41,8 +41,9 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 # --- the PyTorch module is a second reference of the dflash graph ---------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen35"])
-def test_module_slot_logits_equal_the_runtime_drafter(model_dir, tmp_path, arch):
+@pytest.mark.parametrize("arch, n_vocab_draft", [("llama", None), ("qwen3", None), ("qwen35", None),
+                                                  ("llama", 120), ("qwen35", 120)])
+def test_module_slot_logits_equal_the_runtime_drafter(model_dir, tmp_path, arch, n_vocab_draft):
     spec = TinySpec(arch=arch, n_layer=4)
     target = tiny_model(spec, cache_dir=model_dir)
     frozen = load_frozen_target(target)
@@ -51,7 +52,9 @@ def test_module_slot_logits_equal_the_runtime_drafter(model_dir, tmp_path, arch)
                          head_dim=spec.n_embd // frozen.n_head, n_ff=96, n_vocab=n_vocab, markov_rank=8, block_size=5,
                          mask_token=n_vocab - 1, eps=frozen.eps, rope_theta=frozen.rope_theta)
     torch.manual_seed(1)
-    module = DSparkDraft(config, frozen)
+    ids = None if n_vocab_draft is None else np.sort(np.random.default_rng(0).choice(n_vocab - 1, n_vocab_draft,
+                                                                                     replace=False))
+    module = DSparkDraft(config, frozen, ids)
     with torch.no_grad():  # away from the near-uniform init, so every term of the graph matters
         for p in module.parameters():
             p.add_(torch.randn_like(p) * 0.2)
@@ -71,10 +74,150 @@ def test_module_slot_logits_equal_the_runtime_drafter(model_dir, tmp_path, arch)
             drafter.observe(np.array(prompt[:n_context]), rows[:n_context], 0)
             draft = drafter.propose(anchor, n_context)
             logits, conf = module.propose(torch.from_numpy(rows[:n_context]), anchor)
-            scale = float(np.abs(logits.numpy()).max())
-            assert np.abs(draft.logits - logits.numpy()).max() <= 1e-3 * scale, (arch, n_context)
+            logits = logits.numpy()
+            kept = np.arange(n_vocab) if ids is None else ids
+            if ids is not None:  # the runtime scatters the draft rows to their target ids, -inf elsewhere
+                assert drafter.info.n_vocab_draft == n_vocab_draft
+                outside = np.setdiff1d(np.arange(n_vocab), ids)
+                assert np.isneginf(draft.logits[:, outside]).all() and np.isneginf(logits[:, outside]).all()
+            scale = float(np.abs(logits[:, kept]).max())
+            assert np.abs(draft.logits[:, kept] - logits[:, kept]).max() <= 1e-3 * scale, (arch, n_context)
             assert draft.tokens.tolist() == logits.argmax(1).tolist()
             np.testing.assert_allclose(draft.confidence, conf.numpy(), atol=1e-4)
+
+
+# --- the teacher: top-k probabilities stored by the data phase --------------------------------------------
+
+def test_stored_top_k_equal_the_teacher_recomputed_from_the_last_layer(tmp_path, spm_target):
+    """The data phase stores the target's top-32 next-token probabilities; the trainer's older path recomputes
+    the teacher from the stored last-layer rows. Both describe the same distribution, and with k = the whole
+    vocabulary the sparse loss terms equal the dense ones."""
+    from pyllama_dspark.train import trainer
+    from pyllama_dspark.train.data import Record, load_sequences, top_k_probabilities
+    from pyllama_dspark.train.settings import WorkDir
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 4, 7)
+    result = cli("train", "--target", str(spm_target), "--prompts", str(prompts), "--n-predict", "12",
+                 "--block-size", "3", "--data-only", "--n-threads", "2", "--work-dir", str(tmp_path / "w"),
+                 "--outfile", str(tmp_path / "unused.gguf"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = load_sequences(WorkDir(tmp_path / "w"))
+    frozen = load_frozen_target(spm_target)
+    n_vocab = frozen.token_embd.shape[0]
+    config = DraftConfig(n_embd=64, n_taps=2, n_layer=1, n_head=frozen.n_head, n_head_kv=frozen.n_head_kv,
+                         head_dim=64 // frozen.n_head, n_ff=96, n_vocab=n_vocab, markov_rank=4, block_size=3,
+                         mask_token=n_vocab - 1, eps=frozen.eps, rope_theta=frozen.rope_theta)
+    module = DSparkDraft(config, frozen)
+    for r in records:
+        n_gen = len(r.tokens) - r.prompt_len
+        assert r.top_ids.shape == (n_gen, 32) and r.top_p.dtype == np.float16
+        rows = torch.from_numpy(r.last[r.prompt_len - 1:].astype(np.float32))
+        with torch.no_grad():
+            teacher = torch.softmax(module.teacher_logits(rows), -1).numpy()
+        np.testing.assert_allclose(r.top_p.astype(np.float32), np.take_along_axis(teacher, r.top_ids, 1),
+                                   atol=2e-3)
+        # greedy continuations: the generated token is the teacher's argmax (its top-1)
+        assert (r.top_ids[:, 0] == r.tokens[r.prompt_len:]).all()
+        # the whole vocabulary as "top k": sparse terms = dense terms
+        logits = torch.from_numpy(teacher).log()
+        full_ids, full_p = zip(*(top_k_probabilities(row, n_vocab) for row in logits.numpy()))
+        whole = Record(r.tokens, r.prompt_len, r.taps, r.last, np.stack(full_ids), np.stack(full_p))
+        positions = torch.arange(r.prompt_len, len(r.tokens) - 1)
+        log_q = torch.log_softmax(torch.randn(len(positions), n_vocab), -1)
+        sparse = trainer._sparse_teacher_terms(module, whole, positions, log_q)
+        dense = trainer._dense_teacher_terms(module, whole, positions, log_q)
+        for a, b in zip(sparse, dense):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), atol=5e-3)
+
+
+def test_top_k_probabilities_are_the_softmax_of_the_whole_row():
+    from pyllama_dspark.train.data import top_k_probabilities
+
+    logits = np.array([0.5, 3.0, -1.0, 2.0, 2.0], dtype=np.float32)
+    ids, p = top_k_probabilities(logits, 3)
+    softmax = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    assert ids.tolist() == [1, 3, 4]  # most likely first; the tie in id order
+    np.testing.assert_allclose(p.astype(np.float64), softmax[[1, 3, 4]], rtol=1e-3)
+
+
+# --- the reduced draft vocabulary: which tokens are kept ------------------------------------------------
+
+def test_draft_vocabulary_keeps_required_tokens_then_the_most_frequent_never_the_mask():
+    from pyllama_dspark.train.vocab import choose_draft_vocab, coverage, output_counts
+
+    counts = output_counts([(np.array([9, 9, 1, 5, 5, 5, 7, 3, 3]), 2), (np.array([4, 4, 4, 4, 6]), 0)], 12)
+    # generated parts only: [1, 5, 5, 5, 7, 3, 3] and [4, 4, 4, 4, 6]; the first prompt's two 9s do not count
+    assert counts.tolist() == [0, 1, 0, 2, 4, 3, 1, 1, 0, 0, 0, 0]
+    assert choose_draft_vocab(counts, 3, required=[], mask_token=11).tolist() == [3, 4, 5]
+    # required ids go in first (the mask token never), then the most frequent; ties go to the lower id
+    assert choose_draft_vocab(counts, 4, required=[10, 11], mask_token=11).tolist() == [3, 4, 5, 10]
+    assert choose_draft_vocab(counts, 5, required=[], mask_token=4).tolist() == [1, 3, 5, 6, 7]
+    assert coverage(np.array([3, 4]), [3, 4, 4, 5]) == 0.75
+    with pytest.raises(ValueError, match="cannot hold the 2 control"):
+        choose_draft_vocab(counts, 1, required=[1, 2], mask_token=11)
+    with pytest.raises(ValueError, match="needs 1..11 tokens"):
+        choose_draft_vocab(counts, 12, required=[], mask_token=11)
+
+
+def test_required_tokens_hold_control_end_of_generation_and_chat_template_tokens(model_dir):
+    from pyllama_dspark.train.vocab import required_tokens
+
+    path = tiny_model(TinySpec(arch="llama", n_layer=2, vocab="llama-spm"), cache_dir=model_dir)
+    with Model(path) as model:
+        special = {t for t in range(model.n_vocab) if model.is_eog(t) or model.is_control(t)}
+        assert model.special_tokens["eos"] in special and model.special_tokens["bos"] in special
+        expected = special | {t for t in model.special_tokens.values() if t >= 0}
+        if model.chat_template is not None:
+            text = model.apply_chat_template([{"role": "user", "content": "Hi."}])
+            expected |= set(model.tokenize(text, parse_special=True).tolist())
+            assert required_tokens(model) >= expected
+        else:
+            assert required_tokens(model) == expected
+
+
+def test_train_with_a_reduced_draft_vocabulary_writes_d2t_and_stays_exact(tmp_path, spm_target):
+    """``--draft-vocab N``: the GGUF carries d2t (N ids, the generated outputs' most frequent first), its own
+    output rows and a reduced markov_w2; the drafter loads, drafts only those ids, and the output is exact."""
+    import gguf
+
+    prompts, held_out = write_prompts(tmp_path / "p.jsonl", 16, 1), write_prompts(tmp_path / "e.jsonl", 4, 2)
+    result = cli("train", "--target", str(spm_target), "--prompts", str(prompts), "--eval-prompts", str(held_out),
+                 "--n-predict", "16", "--block-size", "3", "--markov-rank", "4", "--steps", "4", "--anchors", "4",
+                 "--draft-vocab", "100", "--n-threads", "2", "--outtype", "f32", "--work-dir", str(tmp_path / "w"),
+                 "--outfile", str(tmp_path / "d.gguf"), "--json", str(tmp_path / "r.json"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "d.gguf").tensors}
+    ids = np.array(tensors["d2t"].data, dtype=np.int64)
+    chosen = json.loads((tmp_path / "w/train/draft_vocab.json").read_text())["ids"]
+    assert ids.tolist() == chosen and len(ids) == 100 and tensors["d2t"].tensor_type.name == "I64"
+    assert tuple(tensors["output.weight"].shape) == (64, 100) and tuple(tensors["markov_w2.weight"].shape) == (4, 100)
+    report = json.loads((tmp_path / "r.json").read_text())
+    # the most frequent outputs cover more than a random 100 of the 256 ids would (this target's outputs are
+    # nearly uniform: measured 0.43)
+    assert report["data"]["draft_vocab"]["size"] == 100 and report["data"]["draft_vocab"]["train_coverage"] > 100 / 256
+    assert report["evaluation"]["token_match"] == 4 and report["evaluation"]["drafted"] > 0
+
+
+def test_a_shared_data_directory_has_one_writer_and_data_limit_stops_generation(tmp_path, spm_target):
+    """``--data-dir`` shared by runs of other settings: ``--data-limit`` generates no further than it needs, a run
+    that needs shards another run is writing is refused with one line, and one that needs none proceeds."""
+    import fcntl
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 8, 4)
+    common = ["--target", str(spm_target), "--prompts", str(prompts), "--n-predict", "12", "--block-size", "3",
+              "--shard-size", "4", "--parallel", "4", "--n-threads", "2", "--data-dir", str(tmp_path / "data")]
+    first = cli("train", *common, "--data-only", "--data-limit", "1", "--work-dir", str(tmp_path / "a"),
+                "--outfile", str(tmp_path / "a.gguf"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert list(json.loads((tmp_path / "data/manifest.json").read_text())["shards"]) == ["shard-00000.npz"]
+    with open(tmp_path / "data" / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another writer
+        blocked = cli("train", *common, "--data-only", "--work-dir", str(tmp_path / "b"),
+                      "--outfile", str(tmp_path / "b.gguf"))
+        assert blocked.returncode == 1 and "is being written by another run" in blocked.stderr
+        reader = cli("train", *common, "--steps", "2", "--anchors", "2", "--data-limit", "1", "--work-dir",
+                     str(tmp_path / "c"), "--outfile", str(tmp_path / "c.gguf"))
+        assert reader.returncode == 0, reader.stderr[-2000:]
 
 
 # --- bad input: one line, status 1, nothing at --outfile ------------------------------------------------
@@ -106,6 +249,10 @@ def bad_input_cases(tmp: Path, target: Path, drafter_like: Path):
         ("missing target", ["--target", str(tmp / "nope.gguf"), "--prompts", str(good), "--steps", "1"],
          "no such file"),
         ("block vs n-predict", base[:-2] + ["--n-predict", "4", "--block-size", "7"], "must exceed --block-size"),
+        ("draft vocabulary too small", base + ["--draft-vocab", "1"], "--draft-vocab 1 cannot hold the"),
+        ("draft vocabulary too large", base + ["--draft-vocab", "99999"], "--draft-vocab must be 0"),
+        ("negative loss weight", base + ["--kl-weight", "-1"], "loss weights must be >= 0"),
+        ("init layer", base + ["--init-layer", "7"], "--init-layer 7 outside"),
     ]
 
 
@@ -212,5 +359,6 @@ def test_training_raises_held_out_acceptance_and_output_stays_exact(tmp_path, mo
     # exactness: the trained drafter's speculative output is the plain greedy output on every held-out prompt
     assert t["token_match"] == t["prompts"] == 12
     assert trained.training["acc0"] > 0.1
-    # the data phase used the capture API: f16 taps + last layer, (n_taps + 1) * n_embd * 2 bytes per token
-    assert trained.data["bytes_per_token"] < 3 * 64 * 2 * 1.2
+    # the data phase used the capture API: f16 taps + last layer, (n_taps + 1) * n_embd * 2 bytes per token, plus
+    # the teacher's top 32 (int32 id + f16 probability) per generated token
+    assert trained.data["bytes_per_token"] < (3 * 64 * 2 + 32 * 6) * 1.2

@@ -225,6 +225,9 @@ def _absolute_d2t(cfg: DraftConfig, src: SourceTensor) -> np.ndarray:
         raise CheckpointError(f"d2t maps to target ids outside [0, {cfg.n_vocab})")
     if np.unique(ids).size != ids.size:
         raise CheckpointError("d2t maps two draft tokens to the same target id")
+    if cfg.mask_token_id is not None and cfg.mask_token_id in set(ids.tolist()):
+        raise CheckpointError(f"d2t maps a draft token to the mask token {cfg.mask_token_id}, which must never be "
+                              f"drafted")
     return ids
 
 
@@ -244,4 +247,29 @@ def plan_tensors(cfg: DraftConfig, refs: dict[str, TensorRef]) -> TensorPlan:
     _check_shapes(cfg, mapped, rank)
     d2t_src = mapped.pop(keys.D2T, None)
     d2t = _absolute_d2t(cfg, d2t_src) if d2t_src is not None else None
+    t2d = next((SourceTensor(name, ref) for name, ref in refs.items() if strip_prefix(name) == "t2d"), None)
+    if t2d is not None:
+        _check_t2d(cfg, t2d, d2t)
     return TensorPlan(tensors=mapped, markov_rank=rank, has_confidence_head=has_conf, d2t=d2t)
+
+
+def _check_t2d(cfg: DraftConfig, src: SourceTensor, d2t: np.ndarray | None) -> None:
+    """t2d (a target-side mask, True where the target id is in the draft vocabulary) must describe the same
+    vocabulary as d2t. It is not written (llama.cpp reads d2t alone), but a checkpoint whose two tables disagree
+    was exported wrong, and which one is right cannot be told."""
+    if d2t is None:
+        raise CheckpointError(f"the checkpoint has {src.hf_name!r} (t2d) but no d2t table to map draft rows to "
+                              f"target ids")
+    if tuple(src.ref.shape) != (cfg.n_vocab,):
+        raise TensorShapeError(f"tensor {src.hf_name!r} (t2d): expected shape [{cfg.n_vocab}] (one flag per target "
+                               f"token), got {list(src.ref.shape)}")
+    if src.ref.dtype not in ("BOOL", "I64", "I32", "I16", "I8", "U8"):
+        raise CheckpointError(f"t2d must hold booleans or integers, got dtype {src.ref.dtype}")
+    flags = src.ref.load().reshape(-1) != 0
+    in_d2t = np.zeros(cfg.n_vocab, dtype=bool)
+    in_d2t[d2t] = True
+    if not np.array_equal(flags, in_d2t):
+        only_t2d = np.flatnonzero(flags & ~in_d2t)[:5].tolist()
+        only_d2t = np.flatnonzero(in_d2t & ~flags)[:5].tolist()
+        raise CheckpointError(f"t2d and d2t disagree on the draft vocabulary: t2d marks {int(flags.sum())} target "
+                              f"ids, d2t maps {d2t.size}; in t2d only: {only_t2d}, in d2t only: {only_d2t}")

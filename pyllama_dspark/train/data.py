@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -39,6 +39,20 @@ class Record:
     prompt_len: int
     taps: np.ndarray        # [L-1, n_taps * n_embd] f16
     last: np.ndarray        # [L-1, n_embd] f16
+    # the target's top-k next-token ids and probabilities at positions prompt_len-1 .. L-2 (the rows whose next
+    # token the target generated), [L - prompt_len, k]; None in shards written without them (the trainer then
+    # recomputes the teacher from ``last``)
+    top_ids: np.ndarray | None = None   # int32
+    top_p: np.ndarray | None = None     # f16
+
+
+class Continuation(NamedTuple):
+    """One sequence continued by ``continue_side_by_side``."""
+
+    tokens: list[int]               # prompt + continuation
+    rows: np.ndarray | None         # f16 capture rows of positions 0..L-2 (with capture)
+    top_ids: np.ndarray | None      # int32 [L - prompt_len, k]: the target's top-k ids at positions prompt_len-1..L-2
+    top_p: np.ndarray | None        # f16, their probabilities (softmax of the whole vocabulary)
 
 
 @dataclass
@@ -111,18 +125,32 @@ def generate_data(model: Model, prompts: list[list[int]], settings: TrainSetting
     """
     work.data.mkdir(parents=True, exist_ok=True)
     manifest = _manifest(work)
+    key = settings.data_key()
+    if manifest.setdefault("key", key) != key:
+        have = manifest["key"]
+        diff = ", ".join(f"{k}: {have.get(k)!r} there, {key.get(k)!r} now" for k in sorted(key) if have.get(k) != key.get(k))
+        raise TrainError(f"data directory {work.data} holds data of other settings ({diff}); use another --data-dir")
     capture = list(settings.taps) + [model.n_layer - 1]
     n_shards = (len(prompts) + settings.shard_size - 1) // settings.shard_size
     stats = DataStats(shards_total=n_shards)
     longest = max(len(p) for p in prompts) + settings.n_predict + 1
     parallel = max(1, min(parallel, settings.shard_size))
     ctx = None
+    lock = None
     try:
         for index in range(n_shards):
+            if settings.data_limit and stats.generated >= settings.data_limit:
+                break  # enough for --data-limit: training reads no further
             name = shard_path(work, index).name
             if name in manifest["shards"] and shard_path(work, index).exists():
                 _count(stats, manifest["shards"][name])
                 continue
+            if lock is None:  # a shared --data-dir: one writer at a time (readers of finished shards need none)
+                lock = _lock_for_writing(work)
+                manifest = _manifest(work)  # what another writer finished before the lock was ours
+                if name in manifest["shards"] and shard_path(work, index).exists():
+                    _count(stats, manifest["shards"][name])
+                    continue
             if ctx is None:
                 # one sequence per parallel prompt; llama.cpp splits n_ctx between the sequences' streams
                 ctx = Context(model, n_ctx=parallel * longest, n_batch=max(512, parallel), n_seq_max=parallel,
@@ -145,7 +173,28 @@ def generate_data(model: Model, prompts: list[list[int]], settings: TrainSetting
     finally:
         if ctx is not None:
             ctx.close()
+        if lock is not None:
+            lock.close()  # releases the lock
     return stats
+
+
+def _lock_for_writing(work: WorkDir):
+    """An exclusive lock on the data directory (``.lock``, held while the returned file stays open).
+
+    Raises:
+        TrainError: another run is writing shards there now (two writers would redo each other's shards and
+            overwrite each other's manifest).
+    """
+    import fcntl
+
+    handle = open(work.data / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise TrainError(f"data directory {work.data} is being written by another run; wait for it to finish, or "
+                         f"give --data-limit within the shards it has finished") from None
+    return handle
 
 
 def _count(stats: DataStats, info: dict) -> None:
@@ -159,12 +208,63 @@ def _count(stats: DataStats, info: dict) -> None:
 def _generate_group(ctx: Context, prompts: list[list[int]], indices: list[int], settings: TrainSettings, n_taps: int,
                     progress, stats: DataStats) -> list[Record]:
     """Continue ``prompts`` side by side, sequence i in the context's sequence i; capture every row."""
-    model = ctx.model
-    n_embd = model.n_embd
-    ctx.clear()
+    n_embd = ctx.model.n_embd
     samplers = [Sampler(SamplingParams(temperature=settings.temperature, seed=settings.seed * 1_000_003 + i))
                 for i in indices]
+
+    def count(n: int) -> None:
+        stats.generated_this_run += n
+        if progress is not None:
+            progress(n)
+
+    out = []
+    for prompt, c in zip(prompts, continue_side_by_side(ctx, prompts, samplers, settings.n_predict, capture=True,
+                                                        teacher_top_k=TEACHER_TOP_K, progress=count)):
+        # rows for positions 0..L-2: the last token was sampled but never decoded
+        assert c.rows.shape[0] == len(c.tokens) - 1, (c.rows.shape, len(c.tokens))
+        out.append(Record(tokens=np.asarray(c.tokens, dtype=np.int32), prompt_len=len(prompt),
+                          taps=c.rows[:, : n_taps * n_embd], last=c.rows[:, n_taps * n_embd:], top_ids=c.top_ids,
+                          top_p=c.top_p))
+    return out
+
+
+TEACHER_TOP_K = 32  # the target's most likely next tokens stored per generated position (~200 bytes)
+
+
+def top_k_probabilities(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely ids of a logit row (most likely first) and their softmax probabilities over the whole
+    vocabulary."""
+    logits = np.asarray(logits, dtype=np.float32)
+    ids = np.argpartition(-logits, k - 1)[:k]
+    ids = ids[np.argsort(-logits[ids], kind="stable")]
+    top = logits[ids].astype(np.float64)
+    log_z = top[0] + np.log(np.exp(logits.astype(np.float64) - top[0]).sum())
+    return ids.astype(np.int32), np.exp(top - log_z).astype(np.float16)
+
+
+def continue_side_by_side(ctx: Context, prompts: Sequence[Sequence[int]], samplers: Sequence[Sampler],
+                          n_predict: int, *, capture: bool = False, teacher_top_k: int = 0,
+                          stop_tokens: Sequence[int] = (),
+                          progress: Callable[[int], None] | None = None) -> list[Continuation]:
+    """Continue each prompt with its own sampler, one sequence per prompt in one context (sequence i in the
+    context's sequence i), so every decode carries one token of each still active sequence.
+
+    A sequence ends after ``n_predict`` tokens, at an end-of-generation token or at one of ``stop_tokens``
+    (the ending token is kept). With ``capture`` the context's f16 capture rows of positions 0..L-2 come back
+    (its capture layers must be set, dense); with ``teacher_top_k`` the target's top-k next-token ids and
+    probabilities at every position whose next token it generated. ``progress(n)`` is told the tokens each
+    decode round added.
+    """
+    model = ctx.model
+    ctx.clear()
+    stops = {int(t) for t in stop_tokens}
     rows: list[list[np.ndarray]] = [[] for _ in prompts]
+    tops: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in prompts]
+
+    def sample(seq: int, logits: np.ndarray) -> int:
+        if teacher_top_k:
+            tops[seq].append(top_k_probabilities(logits, teacher_top_k))
+        return samplers[seq](logits)
     tokens = [list(p) for p in prompts]
     pending: list[int] = []
     batch = Batch(max(ctx.n_batch, len(prompts)), n_seq_max=1)
@@ -176,8 +276,9 @@ def _generate_group(ctx: Context, prompts: list[list[int]], indices: list[int], 
                 last = s + step >= len(prompt)
                 batch.add_tokens(prompt[s:s + step], s, seq_id=seq, logits="last" if last else "none")
                 ctx.decode(batch)
-                rows[seq].append(ctx.capture().astype(np.float16))
-            pending.append(samplers[seq](ctx.logits(-1)))
+                if capture:
+                    rows[seq].append(ctx.capture().astype(np.float16))
+            pending.append(sample(seq, ctx.logits(-1)))
         active = list(range(len(prompts)))
         generated = [0] * len(prompts)
         while active:
@@ -186,11 +287,10 @@ def _generate_group(ctx: Context, prompts: list[list[int]], indices: list[int], 
                 token = pending[seq]
                 tokens[seq].append(token)
                 generated[seq] += 1
-                if generated[seq] < settings.n_predict and not model.is_eog(token):
+                if generated[seq] < n_predict and not model.is_eog(token) and token not in stops:
                     still.append(seq)
             if progress is not None:
                 progress(len(active))
-            stats.generated_this_run += len(active)
             active = still
             if not active:
                 break
@@ -198,49 +298,63 @@ def _generate_group(ctx: Context, prompts: list[list[int]], indices: list[int], 
             for seq in active:
                 batch.add(tokens[seq][-1], len(tokens[seq]) - 1, seq_id=seq, logits=True)
             ctx.decode(batch)
-            captured = ctx.capture()
+            captured = ctx.capture() if capture else None
             for j, seq in enumerate(active):
-                rows[seq].append(captured[j:j + 1].astype(np.float16))
-                pending[seq] = samplers[seq](ctx.logits(j))
+                if capture:
+                    rows[seq].append(captured[j:j + 1].astype(np.float16))
+                pending[seq] = sample(seq, ctx.logits(j))
     finally:
         batch.close()
     out = []
     for seq in range(len(prompts)):
-        r = np.concatenate(rows[seq])
-        # rows for positions 0..L-2: the last token was sampled but never decoded
-        assert r.shape[0] == len(tokens[seq]) - 1, (r.shape, len(tokens[seq]))
-        out.append(Record(tokens=np.asarray(tokens[seq], dtype=np.int32), prompt_len=len(prompts[seq]),
-                             taps=r[:, : n_taps * n_embd], last=r[:, n_taps * n_embd:]))
+        top_ids = np.stack([t[0] for t in tops[seq]]) if teacher_top_k else None
+        top_p = np.stack([t[1] for t in tops[seq]]) if teacher_top_k else None
+        out.append(Continuation(tokens[seq], np.concatenate(rows[seq]) if capture else None, top_ids, top_p))
     return out
 
 
 def _write_shard(path: Path, seqs: list[Record], chunk: range) -> dict:
     offsets = np.cumsum([0] + [len(s.tokens) for s in seqs]).astype(np.int64)
     tmp = path.with_name(path.name + ".tmp.npz")
+    top = {}
+    if all(s.top_ids is not None for s in seqs):
+        top = {"top_ids": np.concatenate([s.top_ids for s in seqs]), "top_p": np.concatenate([s.top_p for s in seqs])}
     np.savez(tmp, tokens=np.concatenate([s.tokens for s in seqs]), offsets=offsets,
              prompt_lens=np.asarray([s.prompt_len for s in seqs], dtype=np.int32),
              prompt_index=np.asarray(list(chunk), dtype=np.int32),
-             taps=np.concatenate([s.taps for s in seqs]), last=np.concatenate([s.last for s in seqs]))
+             taps=np.concatenate([s.taps for s in seqs]), last=np.concatenate([s.last for s in seqs]), **top)
     os.replace(tmp, path)
     return {"sequences": len(seqs), "tokens": int(offsets[-1]),
             "generated": int(sum(len(s.tokens) - s.prompt_len for s in seqs)), "bytes": path.stat().st_size}
 
 
-def load_sequences(work: WorkDir) -> list[Record]:
-    """Every sequence of every finished shard, in shard order."""
+def load_sequences(work: WorkDir, generated_limit: int = 0) -> list[Record]:
+    """Every sequence of every finished shard, in shard order; with ``generated_limit`` > 0 only the first ones,
+    until they hold that many generated tokens."""
     manifest = _manifest(work)
     out = []
+    generated = 0
     for name in sorted(manifest["shards"]):
+        if generated_limit and generated >= generated_limit:
+            break
         with np.load(work.data / name) as z:
             tokens, offsets, plens = z["tokens"], z["offsets"], z["prompt_lens"]
             taps, last = z["taps"], z["last"]
-        row = 0
+            top_ids, top_p = (z["top_ids"], z["top_p"]) if "top_ids" in z.files else (None, None)
+        row = top_row = 0
         for i in range(len(plens)):
             seq_tokens = tokens[offsets[i]:offsets[i + 1]]
             n_rows = len(seq_tokens) - 1
+            if generated_limit and generated >= generated_limit:
+                break
+            n_top = len(seq_tokens) - int(plens[i])
             out.append(Record(tokens=seq_tokens, prompt_len=int(plens[i]), taps=taps[row:row + n_rows],
-                                 last=last[row:row + n_rows]))
+                              last=last[row:row + n_rows],
+                              top_ids=None if top_ids is None else top_ids[top_row:top_row + n_top],
+                              top_p=None if top_p is None else top_p[top_row:top_row + n_top]))
+            generated += n_top
             row += n_rows
+            top_row += n_top
     return out
 
 

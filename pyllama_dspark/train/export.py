@@ -3,7 +3,10 @@
 The folder holds ``config.json`` (architecture ``DSparkDraftModel``, Qwen3 fields plus the DSpark
 fields) and ``model.safetensors`` with the HF names the converter reads (prefix ``model.``). The
 token embeddings and output head are the target's and are not written: the GGUF borrows them from
-the target at run time. Going through the converter means every trained drafter also exercises it.
+the target at run time. A reduced draft vocabulary is written as the speculators/SpecForge trainers write
+it: ``draft_vocab_size`` in the config, ``lm_head`` with the drafter's own rows, ``d2t`` as offsets (target
+id = i + d2t[i]) and ``t2d`` as a target-side mask. Going through the converter means every trained
+drafter also exercises it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from .model import DraftConfig, DSparkDraft
 ARCHITECTURE = "DSparkDraftModel"
 
 
-def checkpoint_config(c: DraftConfig, taps: tuple[int, ...]) -> dict:
-    return {
+def checkpoint_config(c: DraftConfig, taps: tuple[int, ...], n_vocab_draft: int | None = None) -> dict:
+    reduced = {} if n_vocab_draft is None else {"draft_vocab_size": int(n_vocab_draft)}
+    return reduced | {
         "architectures": [ARCHITECTURE], "model_type": "qwen3",
         "hidden_size": c.n_embd, "intermediate_size": c.n_ff, "num_hidden_layers": c.n_layer,
         "num_attention_heads": c.n_head, "num_key_value_heads": c.n_head_kv, "head_dim": c.head_dim,
@@ -61,12 +65,20 @@ def checkpoint_tensors(module: DSparkDraft) -> dict[str, np.ndarray]:
     if module.conf_proj is not None:
         out[f"{p}confidence_head.proj.weight"] = a(module.conf_proj.weight)
         out[f"{p}confidence_head.proj.bias"] = a(module.conf_proj.bias)
+    if module.draft_ids is not None:
+        ids = module.draft_ids.cpu().numpy().astype(np.int64)
+        out["lm_head.weight"] = a(module.output)
+        out["d2t"] = ids - np.arange(len(ids), dtype=np.int64)
+        t2d = np.zeros(module.c.n_vocab, dtype=np.bool_)
+        t2d[ids] = True
+        out["t2d"] = t2d
     return out
 
 
 def write_checkpoint(module: DSparkDraft, taps: tuple[int, ...], folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(checkpoint_config(module.c, taps), indent=2))
+    n_vocab_draft = None if module.draft_ids is None else len(module.draft_ids)
+    (folder / "config.json").write_text(json.dumps(checkpoint_config(module.c, taps, n_vocab_draft), indent=2))
     write_safetensors(folder / "model.safetensors", checkpoint_tensors(module))
     return folder
 

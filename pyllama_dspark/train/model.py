@@ -9,7 +9,10 @@ Semantics (llama.cpp ``src/models/dflash.cpp``, as tests/dspark_reference.py mod
   embeddings; per layer: ``input_layernorm``, q/k/v with per-head q_norm/k_norm and RoPE, attention of
   the block's queries over [context rows before a ; the block], NON-causal, GQA; ``o_proj``; residual;
   ``post_attention_layernorm``; SwiGLU MLP; residual.
-- head: ``h = rms(x) * norm``; ``base = h @ output^T`` with the target's frozen output matrix.
+- head: ``h = rms(x) * norm``; ``base = h @ output^T`` with the target's frozen output matrix, or with a
+  reduced draft vocabulary (``draft_ids``, the GGUF's ``d2t``) the drafter's own head of those rows only
+  (copied from the target's rows and kept frozen); the runtime scatters them to the target's ids, -inf
+  elsewhere.
 - Markov head (rank R): ``logits_k = base_k + markov_w2 @ markov_w1[prev_k]``, prev_0 = the anchor; in
   training prev_k is the true previous token (teacher forcing), when drafting the argmax of slot k-1.
 - confidence: ``sigmoid(conf_proj [h_k ; markov_w1[prev_k]] + b)``.
@@ -28,6 +31,9 @@ from .torch_import import torch
 
 nn = torch.nn
 F = torch.nn.functional
+
+
+IGNORE = -100  # draft column of a target id outside a reduced draft vocabulary (torch's ignore_index default)
 
 
 @dataclass(frozen=True)
@@ -153,21 +159,40 @@ class DraftLayer(nn.Module):
 
 
 class DSparkDraft(nn.Module):
-    """The trainable drafter; the target's embeddings, head and final norm are frozen buffers."""
+    """The trainable drafter; the target's embeddings, head and final norm are frozen buffers.
 
-    def __init__(self, c: DraftConfig, frozen: FrozenTarget):
+    ``draft_ids`` (sorted target ids, never the mask token) gives a reduced draft vocabulary: slot logits then
+    cover those ids only (``markov_w2`` has one row per id, the head the target's rows of them)."""
+
+    def __init__(self, c: DraftConfig, frozen: FrozenTarget, draft_ids: np.ndarray | None = None):
         super().__init__()
         self.c = c
+        n_out = c.n_vocab if draft_ids is None else len(draft_ids)
         self.fc = nn.Linear(c.n_taps * c.n_embd, c.n_embd, bias=False)
         self.hidden_norm = nn.Parameter(torch.ones(c.n_embd))
         self.layers = nn.ModuleList([DraftLayer(c) for _ in range(c.n_layer)])
         self.norm = nn.Parameter(torch.ones(c.n_embd))
         self.markov_w1 = nn.Parameter(torch.empty(c.n_vocab, c.markov_rank)) if c.markov_rank else None
-        self.markov_w2 = nn.Parameter(torch.empty(c.n_vocab, c.markov_rank)) if c.markov_rank else None
+        self.markov_w2 = nn.Parameter(torch.empty(n_out, c.markov_rank)) if c.markov_rank else None
         width = c.n_embd + c.markov_rank
         self.conf_proj = nn.Linear(width, 1) if c.confidence else None
         self.register_buffer("token_embd", torch.from_numpy(frozen.token_embd), persistent=False)
-        self.register_buffer("output", torch.from_numpy(frozen.output), persistent=False)
+        # the teacher always reads the target's whole head; the drafter its rows of the draft vocabulary
+        self.register_buffer("target_output", torch.from_numpy(frozen.output), persistent=False)
+        if draft_ids is None:
+            self.draft_ids = None
+            self.output = self.target_output
+        else:
+            ids = np.asarray(draft_ids, dtype=np.int64)
+            if ids.ndim != 1 or not 0 < len(ids) <= c.n_vocab or np.unique(ids).size != len(ids) \
+                    or ids.min() < 0 or ids.max() >= c.n_vocab or c.mask_token in set(ids.tolist()):
+                raise ValueError("draft_ids must be distinct target ids in [0, n_vocab), without the mask token")
+            self.register_buffer("draft_ids", torch.from_numpy(ids), persistent=False)
+            index = torch.full((c.n_vocab,), IGNORE, dtype=torch.long)  # target id -> draft column, or IGNORE
+            index[self.draft_ids] = torch.arange(len(ids))
+            self.register_buffer("draft_index", index, persistent=False)
+            self.register_buffer("output", torch.from_numpy(np.ascontiguousarray(frozen.output[ids])),
+                                 persistent=False)
         self.register_buffer("target_norm", torch.from_numpy(frozen.output_norm), persistent=False)
         self.target_eps = frozen.eps
         self.reset_parameters()
@@ -202,7 +227,7 @@ class DSparkDraft(nn.Module):
 
     def teacher_logits(self, last_rows):
         """The target's logits from its last layer's output rows (frozen final norm and head)."""
-        return rms_norm(last_rows, self.target_norm, self.target_eps) @ self.output.T
+        return rms_norm(last_rows, self.target_norm, self.target_eps) @ self.target_output.T
 
     # --- forward over many blocks of one sequence ------------------------------------------------
     def blocks(self, features, anchors, anchor_tokens):
@@ -230,13 +255,22 @@ class DSparkDraft(nn.Module):
         return rms_norm(x, self.norm, c.eps).view(n_a, B, -1)
 
     def slot_logits(self, hidden, prev):
-        """Post-Markov logits [N, n_vocab] and confidence [N] of slot rows ``hidden`` [N, n_embd] with
-        previous tokens ``prev`` [N]."""
+        """Post-Markov logits [N, n_vocab] (or [N, len(draft_ids)]: one column per draft-vocabulary id) and
+        confidence [N] of slot rows ``hidden`` [N, n_embd] with previous tokens ``prev`` [N]."""
         logits = hidden @ self.output.T
         bias = self.markov_bias(prev)
         if bias is not None:
             logits = logits + bias
         return logits, self.confidence(hidden, prev)
+
+    def to_target_vocab(self, logits):
+        """Slot logits over the target's vocabulary: a reduced vocabulary's columns at their target ids and -inf
+        everywhere else, as llama.cpp's graph scatters them (full-vocabulary logits pass through)."""
+        if self.draft_ids is None:
+            return logits
+        full = torch.full((logits.shape[0], self.c.n_vocab), float("-inf"), dtype=logits.dtype)
+        full[:, self.draft_ids] = logits
+        return full
 
     @torch.no_grad()
     def propose(self, features, anchor: int):
@@ -246,6 +280,7 @@ class DSparkDraft(nn.Module):
         logits, conf, prev = [], [], int(anchor)
         for k in range(self.c.block_size):
             row, cf = self.slot_logits(hidden[k:k + 1], torch.tensor([prev]))
+            row = self.to_target_vocab(row)
             logits.append(row[0])
             conf.append(None if cf is None else cf[0])
             prev = int(row[0].argmax())

@@ -17,10 +17,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from ..model import Model
 from .torch_import import torch  # noqa: F401  (fails early, with the install command, when torch is missing)
 from . import data as data_phase
-from . import trainer
+from . import trainer, vocab
 from .export import export_gguf
 from .model import load_frozen_target
 from .settings import (TrainError, TrainSettings, WorkDir, check_target_arch, file_sha256, parse_taps,
@@ -57,6 +59,17 @@ class TrainOptions:
     shard_size: int = 16
     eval_n_predict: int | None = None
     progress: bool = True
+    draft_vocab: int = 0
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    kl_weight: float = 0.0
+    gamma: float = 4.0
+    warmup: float = 0.05
+    noise: float = 0.0
+    init_layer: int = -1
+    data_dir: Path | None = None
+    data_limit: int = 0
+    data_only: bool = False
 
 
 @dataclass
@@ -76,13 +89,15 @@ class TrainReport:
     def summary(self) -> str:
         d, t, e = self.data, self.training, self.export
         lines = [
-            f"drafter      {self.outfile} ({e.get('bytes', 0) / 1e6:.1f} MB, {e.get('tensors', 0)} tensors)",
             f"data         {d['sequences']} sequences, {d['tokens']} tokens ({d['generated']} generated), "
             f"{d['bytes_per_token']:.0f} bytes/token; generated {d['generated_this_run']} tokens this run at "
             f"{d['tok_s']:.1f} tok/s",
-            f"training     {t['steps_done']}/{t['steps_total']} steps, {t['steps_per_s']:.2f} steps/s this run; "
-            f"loss {t['loss']:.3f}, slot-0 accuracy {t['acc0']:.3f}",
         ]
+        if not t:  # --data-only
+            return "\n".join(lines)
+        lines.insert(0, f"drafter      {self.outfile} ({e.get('bytes', 0) / 1e6:.1f} MB, {e.get('tensors', 0)} tensors)")
+        lines.append(f"training     {t['steps_done']}/{t['steps_total']} steps, {t['steps_per_s']:.2f} steps/s this "
+                     f"run; loss {t['loss']:.3f}, slot-0 accuracy {t['acc0']:.3f}")
         ev = self.evaluation
         if ev:
             lines.append(f"held-out     {ev['prompts']} prompts: accept {ev['accept']:.3f}, tau {ev['tau']:.3f}, "
@@ -159,26 +174,45 @@ def prepare(options: TrainOptions, model: Model) -> tuple[TrainSettings, list[li
     if options.n_predict <= options.block_size:
         raise TrainError(f"--n-predict ({options.n_predict}) must exceed --block-size ({options.block_size}): "
                          f"anchors need a whole block of generated tokens after them")
-    if (options.steps is None) == (options.minutes is None):
-        raise TrainError("give exactly one of --steps N and --minutes M")
-    if options.steps is not None and options.steps < 0:
-        raise TrainError(f"--steps must be >= 0, got {options.steps}")
-    if options.minutes is not None and options.minutes <= 0:
-        raise TrainError(f"--minutes must be > 0, got {options.minutes}")
+    steps, minutes = options.steps, options.minutes
+    if options.data_only and steps is None and minutes is None:
+        steps = 0  # nothing is trained
+    if (steps is None) == (minutes is None):
+        raise TrainError("give exactly one of --steps N and --minutes M (or --data-only)")
+    if steps is not None and steps < 0:
+        raise TrainError(f"--steps must be >= 0, got {steps}")
+    if minutes is not None and minutes <= 0:
+        raise TrainError(f"--minutes must be > 0, got {minutes}")
     if options.temperature < 0:
         raise TrainError(f"--temperature must be >= 0, got {options.temperature}")
     mask = model.n_vocab - 1 if options.mask_token is None else options.mask_token
     if not 0 <= mask < model.n_vocab:
         raise TrainError(f"--mask-token {mask} outside the vocabulary [0, {model.n_vocab})")
+    if options.draft_vocab and not 1 <= options.draft_vocab < model.n_vocab:
+        raise TrainError(f"--draft-vocab must be 0 (the whole vocabulary) or in [1, {model.n_vocab - 1}], got "
+                         f"{options.draft_vocab}")
+    weights = {"--ce-weight": options.ce_weight, "--tv-weight": options.tv_weight, "--kl-weight": options.kl_weight}
+    if any(w < 0 for w in weights.values()) or not sum(weights.values()) > 0:
+        raise TrainError(f"loss weights must be >= 0 and not all 0, got {weights}")
+    if options.gamma <= 0 or not 0 <= options.warmup < 1 or options.noise < 0:
+        raise TrainError(f"need --gamma > 0, 0 <= --warmup < 1, --noise >= 0; got {options.gamma}, {options.warmup}, "
+                         f"{options.noise}")
+    if options.data_limit < 0:
+        raise TrainError(f"--data-limit must be >= 0 (0 = all data), got {options.data_limit}")
+    if not -1 <= options.init_layer < model.n_layer:
+        raise TrainError(f"--init-layer {options.init_layer} outside [-1, {model.n_layer - 1}] (-1 = random init)")
     _check_outfile(options.outfile)
     prompts = data_phase.read_prompts(options.prompts, model)
     eval_prompts = data_phase.read_prompts(options.eval_prompts, model) if options.eval_prompts else None
     settings = TrainSettings(
         target=target_identity(options.target), prompts=file_sha256(options.prompts), taps=taps,
         n_predict=options.n_predict, temperature=float(options.temperature), block_size=options.block_size,
-        n_layer=options.layers, markov_rank=options.markov_rank, mask_token=mask, steps=options.steps or 0,
-        minutes=float(options.minutes or 0.0), lr=float(options.lr), seed=options.seed, anchors=options.anchors,
-        seqs_per_step=options.seqs_per_step, shard_size=options.shard_size)
+        n_layer=options.layers, markov_rank=options.markov_rank, mask_token=mask, steps=steps or 0,
+        minutes=float(minutes or 0.0), lr=float(options.lr), seed=options.seed, anchors=options.anchors,
+        seqs_per_step=options.seqs_per_step, shard_size=options.shard_size, draft_vocab=options.draft_vocab,
+        ce_weight=float(options.ce_weight), tv_weight=float(options.tv_weight), kl_weight=float(options.kl_weight),
+        gamma=float(options.gamma), warmup=float(options.warmup), noise=float(options.noise),
+        init_layer=options.init_layer, data_limit=options.data_limit)
     return settings, prompts, eval_prompts
 
 
@@ -189,7 +223,12 @@ def run(options: TrainOptions) -> TrainReport:
     kill = _kill_point()
     with Model(options.target) as model:
         settings, prompts, eval_prompts = prepare(options, model)
-        work = WorkDir(options.work_dir or options.outfile.with_name(options.outfile.stem + ".work"))
+        required = vocab.required_tokens(model) if settings.draft_vocab else set()
+        if len(required - {settings.mask_token}) > settings.draft_vocab > 0:
+            raise TrainError(f"--draft-vocab {settings.draft_vocab} cannot hold the {len(required)} control, "
+                             f"end-of-generation and chat-template tokens every draft vocabulary keeps")
+        work = WorkDir(options.work_dir or options.outfile.with_name(options.outfile.stem + ".work"),
+                       data=options.data_dir)
         work.open(settings)
         report = TrainReport(outfile=str(options.outfile), work_dir=str(work.root), settings=settings.as_dict())
 
@@ -213,7 +252,10 @@ def run(options: TrainOptions) -> TrainReport:
                        "bytes": stats.bytes, "bytes_per_token": stats.bytes / max(1, stats.tokens),
                        "generated_this_run": stats.generated_this_run, "tok_s": stats.tok_s,
                        "seconds": stats.seconds, "shards": stats.shards_total, "parallel": options.parallel}
-    records = data_phase.usable(data_phase.load_sequences(work), settings.block_size)
+    if options.data_only:
+        write_json_atomically(work.root / "report.json", report.as_dict())
+        return report
+    records = data_phase.usable(data_phase.load_sequences(work, settings.data_limit), settings.block_size)
     if not records:
         raise TrainError(f"no sequence has {settings.block_size + 1} generated tokens to anchor a block on (the "
                          f"target stopped early on every prompt); use more or longer prompts")
@@ -222,7 +264,10 @@ def run(options: TrainOptions) -> TrainReport:
     if options.n_threads:
         torch.set_num_threads(options.n_threads)
     frozen = load_frozen_target(options.target)
-    module = trainer.build_module(settings, frozen)
+    draft_ids = _draft_vocabulary(settings, work, records, required, len(frozen.token_embd))
+    module = trainer.build_module(settings, frozen, draft_ids)
+    if settings.init_layer >= 0:
+        trainer.init_from_target_layer(module, options.target, settings.init_layer)
     steps = _resolve_steps(settings, work, module, records)
     bar = _Progress(options.progress, "train", "step", steps)
 
@@ -235,6 +280,9 @@ def run(options: TrainOptions) -> TrainReport:
                            on_step=on_step)
     bar.close()
     last = tstats.last
+    if draft_ids is not None:
+        report.data["draft_vocab"] = {"size": len(draft_ids), "train_coverage": vocab.coverage(
+            draft_ids, np.concatenate([r.tokens[r.prompt_len:] for r in records]))}
     report.training = {
         "steps_done": tstats.steps_done, "steps_total": steps, "steps_this_run": tstats.steps_this_run,
         "steps_per_s": tstats.steps_per_s, "seconds": tstats.seconds,
@@ -255,6 +303,26 @@ def run(options: TrainOptions) -> TrainReport:
                                      n_predict=options.eval_n_predict or options.n_predict, n_threads=options.n_threads)
     write_json_atomically(work.root / "report.json", report.as_dict())
     return report
+
+
+def _draft_vocabulary(settings: TrainSettings, work: WorkDir, records, required: set[int], n_vocab: int):
+    """The reduced draft vocabulary's sorted target ids (None for the whole vocabulary): chosen once from the
+    training data's target outputs and kept in train/draft_vocab.json, so a resumed run trains the same rows."""
+    if not settings.draft_vocab:
+        return None
+    path = work.train / "draft_vocab.json"
+    if path.exists():
+        import json
+
+        return np.asarray(json.loads(path.read_text())["ids"], dtype=np.int64)
+    counts = vocab.output_counts(((r.tokens, r.prompt_len) for r in records), n_vocab)
+    try:
+        ids = vocab.choose_draft_vocab(counts, settings.draft_vocab, required, settings.mask_token)
+    except ValueError as exc:
+        raise TrainError(f"--draft-vocab: {exc}") from None
+    work.train.mkdir(parents=True, exist_ok=True)
+    write_json_atomically(path, {"ids": ids.tolist(), "required": len(required - {settings.mask_token})})
+    return ids
 
 
 def _resolve_steps(settings: TrainSettings, work: WorkDir, module, records) -> int:

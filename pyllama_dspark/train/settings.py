@@ -8,7 +8,8 @@ same command continues where the last run stopped.
 Layout::
 
     WORK/settings.json          the settings (written once)
-    WORK/data/manifest.json     finished shards (each shard-NNNNN.npz is written whole, then listed)
+    WORK/data/manifest.json     finished shards (each shard-NNNNN.npz is written whole, then listed) and the
+                                settings they depend on (``--data-dir`` puts this folder elsewhere, to share it)
     WORK/train/plan.json        the step count (--minutes resolves it once, from timed steps)
     WORK/train/checkpoint.pt    model + optimizer + step (replaced atomically)
     WORK/export/                config.json + model.safetensors (DeepSpec layout), then the GGUF
@@ -55,6 +56,13 @@ class TrainSettings:
     weight_decay: float = 0.01
     clip: float = 1.0
     shard_size: int = 16        # prompts per data shard
+    draft_vocab: int = 0        # reduced draft vocabulary size (0 = the target's whole vocabulary)
+    ce_weight: float = 0.1      # loss = ce_weight * CE + tv_weight * TVD + kl_weight * KL(p || q) (+ confidence BCE)
+    tv_weight: float = 0.9
+    kl_weight: float = 0.0
+    noise: float = 0.0          # std of Gaussian noise added to the feature rows in training, relative to their RMS
+    init_layer: int = -1        # target layer whose attention/MLP weights initialise the drafter's layers (-1 = random)
+    data_limit: int = 0         # train on the first sequences holding this many generated tokens (0 = all)
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -125,9 +133,10 @@ def check_target_arch(arch: str) -> None:
 class WorkDir:
     """The work directory of one run (see the module docstring)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, data: Path | None = None):
         self.root = Path(root)
-        self.data = self.root / "data"
+        # shared data: several runs (other recipes on the same data) may read one data directory
+        self.data = Path(data) if data is not None else self.root / "data"
         self.train = self.root / "train"
         self.export = self.root / "export"
 
