@@ -107,9 +107,9 @@ class BenchSummary:
         fewer positions."""
         width = max((len(r.stats.reached_per_pos) for r in self.results), default=0)
         accepted, reached = np.zeros(width, dtype=np.int64), np.zeros(width, dtype=np.int64)
-        for r in self.results:
-            accepted[: len(r.stats.accepted_per_pos)] += r.stats.accepted_per_pos
-            reached[: len(r.stats.reached_per_pos)] += r.stats.reached_per_pos
+        for r in self.results:  # as int arrays: a prompt that never drafted has empty lists (numpy reads as float)
+            accepted[: len(r.stats.accepted_per_pos)] += np.asarray(r.stats.accepted_per_pos, dtype=np.int64)
+            reached[: len(r.stats.reached_per_pos)] += np.asarray(r.stats.reached_per_pos, dtype=np.int64)
         return accepted, reached
 
     def overall_line(self) -> str:

@@ -80,7 +80,7 @@ class Speculator:
 
     Args:
         target: the target's Context. Hybrid/recurrent targets need ``n_rs_seq >= n_draft`` (use
-            ``Speculator.make_target_context`` or pass ``n_rs_seq`` to Context).
+            ``n_rs_seq=Speculator.target_rs_seq(n_draft)`` in Context).
         drafter: a Drafter (``DSparkDrafter``, or any object with its protocol), or a drafter with several sources
             (``HybridDrafter``: prompt lookup and a model drafter).
         n_draft: draft exactly this many tokens per round (fewer only where the drafter's confidence cut,

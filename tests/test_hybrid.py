@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import drafters
+import test_speculative as speculative_tests
 import pyllama_dspark
 from pyllama_dspark import (Context, DSparkDrafter, HybridDrafter, Model, PromptLookupDrafter, SpecStats, Speculator,
                             generate)
@@ -158,16 +159,8 @@ def test_close_closes_the_model_drafter():
 
 # --- in the loop ---------------------------------------------------------------------------------------------
 
-_PLAIN: dict = {}
-
-
 def plain_greedy(model, prompt, n=N_TOKENS):
-    key = (str(model.path), tuple(prompt), n)
-    if key not in _PLAIN:
-        ctx = Context(model, n_ctx=512, n_batch=16, n_ubatch=8)
-        _PLAIN[key] = generate(ctx, prompt, max_tokens=n, stop_at_eog=False).tokens
-        ctx.close()
-    return list(_PLAIN[key])
+    return speculative_tests.plain_greedy(model, prompt, n)
 
 
 @pytest.fixture(scope="module", params=list(SPECS))

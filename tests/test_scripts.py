@@ -124,3 +124,18 @@ def test_bench_draft_vocab_small(tmp_path, make_pair):
         assert 0.0 <= entry["coverage"] <= 1.0 and set(entry["propose_ms"]) == {"1", "2"}
         assert entry["token_match"] == entry["prompts"] == 6
     assert result["sizes"]["1000"]["coverage"] >= result["sizes"]["100"]["coverage"]
+
+
+def test_per_position_counts_add_prompts_that_never_drafted():
+    """A prompt whose every round was a plain step has empty per-position lists (the cost-aware loop on a drafter
+    it does not trust); the summary adds the others' counts (it raised a numpy casting error before)."""
+    from pyllama_dspark.bench import BenchSummary, PromptResult
+    from pyllama_dspark.stats import SpecStats
+
+    drafted = SpecStats()
+    drafted.observe_round(2, 1)
+    drafted.observe_round(1, 0)
+    summary = BenchSummary([PromptResult(0, 3, [1, 2], [1, 2], 0.1, drafted),
+                            PromptResult(1, 3, [1, 2], [1, 2], 0.1, SpecStats())])
+    accepted, reached = summary.per_position_counts()
+    assert accepted.tolist() == [1, 0] and reached.tolist() == [2, 1]

@@ -339,9 +339,13 @@ def _resolve_steps(settings: TrainSettings, work: WorkDir, module, records) -> i
 
     probe = copy.deepcopy(module)  # timed steps on a copy: the run itself starts from the untouched module
     optimizer = trainer.new_optimizer(probe, settings)
-    t0, n = time.perf_counter(), 3
-    for step in range(n):
-        trainer.optimizer_step(probe, optimizer, records, settings, step, n, trainer.TrainStats())
+    # the first step pays one-time costs (allocations, the optimizer's state): untimed, or it would count about
+    # twice the steps' real time and the run would stop halfway through its budget
+    n = 5
+    trainer.optimizer_step(probe, optimizer, records, settings, 0, n + 1, trainer.TrainStats())
+    t0 = time.perf_counter()
+    for step in range(1, n + 1):
+        trainer.optimizer_step(probe, optimizer, records, settings, step, n + 1, trainer.TrainStats())
     per_step = (time.perf_counter() - t0) / n
     steps = max(1, int(settings.minutes * 60.0 / per_step))
     work.train.mkdir(parents=True, exist_ok=True)
