@@ -62,4 +62,6 @@ def test_the_bundled_drafter_predicts_the_target():
     assert proc.returncode == 0, proc.stderr
     assert "identical    = yes" in proc.stderr
     tau = float(re.search(r"^tau\s+= ([\d.]+)", proc.stderr, re.M).group(1))
-    assert tau > 1.2, proc.stderr  # measured 1.34 on this prompt (held-out mean 1.47); untrained ~1.0
+    # measured 1.58 on this prompt with the drafter of issue 23 (held-out mean 1.63; the previous drafter 1.34 and
+    # 1.47); untrained ~1.0
+    assert tau > 1.4, proc.stderr

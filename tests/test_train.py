@@ -249,7 +249,8 @@ def bad_input_cases(tmp: Path, target: Path, drafter_like: Path):
         ("missing target", ["--target", str(tmp / "nope.gguf"), "--prompts", str(good), "--steps", "1"],
          "no such file"),
         ("block vs n-predict", base[:-2] + ["--n-predict", "4", "--block-size", "7"], "must exceed --block-size"),
-        ("draft vocabulary too small", base + ["--draft-vocab", "1"], "--draft-vocab 1 cannot hold the"),
+        ("draft vocabulary too small", base + ["--draft-vocab", "1"], "--draft-vocab 1: a draft vocabulary of 1 "
+         "tokens cannot hold the"),
         ("draft vocabulary too large", base + ["--draft-vocab", "99999"], "--draft-vocab must be 0"),
         ("negative loss weight", base + ["--kl-weight", "-1"], "loss weights must be >= 0"),
         ("init layer", base + ["--init-layer", "7"], "--init-layer 7 outside"),

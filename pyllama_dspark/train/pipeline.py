@@ -224,9 +224,11 @@ def run(options: TrainOptions) -> TrainReport:
     with Model(options.target) as model:
         settings, prompts, eval_prompts = prepare(options, model)
         required = vocab.required_tokens(model) if settings.draft_vocab else set()
-        if len(required - {settings.mask_token}) > settings.draft_vocab > 0:
-            raise TrainError(f"--draft-vocab {settings.draft_vocab} cannot hold the {len(required)} control, "
-                             f"end-of-generation and chat-template tokens every draft vocabulary keeps")
+        if settings.draft_vocab:  # checked before any data is generated
+            try:
+                vocab.check_size(settings.draft_vocab, required, settings.mask_token, model.n_vocab)
+            except ValueError as exc:
+                raise TrainError(f"--draft-vocab {settings.draft_vocab}: {exc}") from None
         work = WorkDir(options.work_dir or options.outfile.with_name(options.outfile.stem + ".work"),
                        data=options.data_dir)
         work.open(settings)

@@ -180,13 +180,9 @@ def _sparse_teacher_terms(module: DSparkDraft, record: Record, positions, log_q)
     return tvd, kl
 
 
-def draw(records: list[Record], settings: TrainSettings, step: int) -> list[tuple[int, np.ndarray]]:
-    """Step ``step``'s sequences and anchors, a function of (seed, step) only."""
-    rng = np.random.default_rng([settings.seed, step])
-    return draw_with(rng, records, settings)
-
-
-def draw_with(rng: np.random.Generator, records: list[Record], settings: TrainSettings):
+def draw(rng: np.random.Generator, records: list[Record], settings: TrainSettings) -> list[tuple[int, np.ndarray]]:
+    """A step's sequences and their sorted anchors, drawn from the step's generator (seeded by (seed, step), so a
+    function of those only; the same generator then draws the step's feature noise)."""
     picks = rng.choice(len(records), size=min(settings.seqs_per_step, len(records)), replace=False)
     out = []
     for i in picks:
@@ -251,7 +247,7 @@ def optimizer_step(module: DSparkDraft, optimizer, records: list[Record], settin
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     rng = np.random.default_rng([settings.seed, step])
-    batch = draw_with(rng, records, settings)
+    batch = draw(rng, records, settings)
     mix = LossMix.of(settings)
     total, metrics = 0.0, []
     for index, anchors in batch:

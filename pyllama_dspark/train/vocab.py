@@ -46,12 +46,7 @@ def choose_draft_vocab(counts: np.ndarray, size: int, required: Iterable[int], m
         ValueError: ``size`` outside [1, n_vocab - 1], or smaller than the required ids.
     """
     n_vocab = len(counts)
-    if not 1 <= size <= n_vocab - 1:
-        raise ValueError(f"a draft vocabulary needs 1..{n_vocab - 1} tokens (all but the mask token), got {size}")
-    must = sorted({int(t) for t in required if 0 <= int(t) < n_vocab} - {int(mask_token)})
-    if len(must) > size:
-        raise ValueError(f"a draft vocabulary of {size} tokens cannot hold the {len(must)} control, end-of-generation "
-                         f"and chat-template tokens it must keep")
+    must = check_size(size, required, mask_token, n_vocab)
     order = np.lexsort((np.arange(n_vocab), -counts))  # most frequent first, then by id
     taken = np.zeros(n_vocab, dtype=bool)
     taken[must] = True
@@ -59,6 +54,21 @@ def choose_draft_vocab(counts: np.ndarray, size: int, required: Iterable[int], m
     extra = [int(t) for t in order if not taken[t]][: size - len(must)]
     ids = np.array(sorted(must + extra), dtype=np.int64)
     return ids
+
+
+def check_size(size: int, required: Iterable[int], mask_token: int, n_vocab: int) -> list[int]:
+    """The required ids a vocabulary of ``size`` keeps (sorted, the mask token left out).
+
+    Raises:
+        ValueError: ``size`` outside [1, n_vocab - 1], or smaller than the required ids.
+    """
+    if not 1 <= size <= n_vocab - 1:
+        raise ValueError(f"a draft vocabulary needs 1..{n_vocab - 1} tokens (all but the mask token), got {size}")
+    must = sorted({int(t) for t in required if 0 <= int(t) < n_vocab} - {int(mask_token)})
+    if len(must) > size:
+        raise ValueError(f"a draft vocabulary of {size} tokens cannot hold the {len(must)} control, end-of-generation "
+                         f"and chat-template tokens it must keep")
+    return must
 
 
 def coverage(ids: np.ndarray, tokens: Sequence[int]) -> float:
