@@ -209,7 +209,9 @@ def test_a_shared_data_directory_has_one_writer_and_data_limit_stops_generation(
     first = cli("train", *common, "--data-only", "--data-limit", "1", "--work-dir", str(tmp_path / "a"),
                 "--outfile", str(tmp_path / "a.gguf"))
     assert first.returncode == 0, first.stderr[-2000:]
-    assert list(json.loads((tmp_path / "data/manifest.json").read_text())["shards"]) == ["shard-00000.npz"]
+    manifest = json.loads((tmp_path / "data/manifest.json").read_text())
+    assert list(manifest["shards"]) == ["shard-00000.npz"]
+    assert manifest["key"]["n_predict"] == 12  # the data settings travel with the shards
     with open(tmp_path / "data" / ".lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another writer
         blocked = cli("train", *common, "--data-only", "--work-dir", str(tmp_path / "b"),

@@ -148,6 +148,7 @@ def generate_data(model: Model, prompts: list[list[int]], settings: TrainSetting
             if lock is None:  # a shared --data-dir: one writer at a time (readers of finished shards need none)
                 lock = _lock_for_writing(work)
                 manifest = _manifest(work)  # what another writer finished before the lock was ours
+                manifest.setdefault("key", key)  # a first writer's manifest may not exist yet: it gets the key
                 if name in manifest["shards"] and shard_path(work, index).exists():
                     _count(stats, manifest["shards"][name])
                     continue
