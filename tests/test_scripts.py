@@ -106,6 +106,7 @@ def test_make_varied_prompts_small(tmp_path, make_model):
 
 
 def test_bench_draft_vocab_small(tmp_path, make_pair):
+    pytest.importorskip("torch", reason="train --data-only needs PyTorch: pip install torch==2.13.0 && pip install '.[train]'")
     from pyllama_dspark.testing import TinySpec
 
     pair = make_pair(TinySpec(arch="llama", n_layer=3, vocab="llama-spm"))
