@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 from ._lib import build_info  # noqa: E402  (loads and checks the native library)
 from .api import LLM, load  # noqa: E402
 from .batch import Batch, EmbdBatch  # noqa: E402
-from .context import Context  # noqa: E402
+from .context import CancelToken, Context  # noqa: E402
 from .errors import (  # noqa: E402
     CaptureError,
     ClosedHandleError,
@@ -42,7 +42,7 @@ from .stats import SpecStats  # noqa: E402
 
 __all__ = [
     "load", "LLM",
-    "Batch", "EmbdBatch", "Context", "Model", "quantize", "generate", "GenerationResult", "TokenEvent",
+    "Batch", "EmbdBatch", "Context", "CancelToken", "Model", "quantize", "generate", "GenerationResult", "TokenEvent",
     "Speculator", "Step", "SpecResult", "SpecStats", "DraftLengthChooser",
     "DSparkDrafter", "PromptLookupDrafter", "HybridDrafter", "Drafter", "Draft", "DrafterError",
     "Sampler", "SamplingParams", "build_info",

@@ -24,6 +24,7 @@ CDEF_FILES = ["types.h", "backend.h", "model.h", "vocab.h", "context.h", "memory
 EXTRA_CDEF = """
 extern "Python" void _pyllama_log_callback(enum ggml_log_level level, const char * text, void * user_data);
 const char * pyllama_expected_build_info(void);
+bool pyllama_cancel_requested(void * flag);
 """
 
 PREAMBLE = """
@@ -39,6 +40,12 @@ PREAMBLE = """
    loaded library reports, so a stale library never runs under these declarations. */
 static const char * pyllama_expected_build_info(void) {
     return PYLLAMA_DSPARK_EXPECTED_BUILD_INFO;
+}
+
+/* llama.cpp's abort callback for a CancelToken: it runs between graph nodes on a compute thread, so it is C
+   reading the token's flag (a Python callback there would take the GIL at every check). */
+static bool pyllama_cancel_requested(void * flag) {
+    return *(volatile int32_t *) flag != 0;
 }
 """
 

@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from . import checks
-from .context import Context
+from .context import CancelToken, Context
 from .drafter import DSparkDrafter, PromptLookupDrafter
+from .errors import DecodeAbortedError
 from .generate import GenerationResult, TokenEvent, generate
 from .hybrid import HybridDrafter
 from .model import Model
 from .speculative import Speculator
+from .stats import SpecStats
 
 
 def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str] | Any | None = None, *,
@@ -107,28 +109,69 @@ class LLM:
             raise
 
     # --- generation ---------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int], *, cancel: CancelToken | None = None, **kwargs) -> GenerationResult:
         """Generate from a text or token-id prompt. Keyword arguments as ``pyllama_dspark.generate``
-        (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_at_eog``...)."""
+        (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_at_eog``...).
+
+        ``cancel``: a ``CancelToken``; once another thread cancels it the generation stops at the next round (or
+        inside a long prefill) and ends with ``stop_reason`` "cancelled" and the tokens committed so far."""
         if kwargs.pop("stream", False):
             raise TypeError("use LLM.stream(...) for a stream of events")
-        return self._run(prompt, kwargs, stream=False)
+        return self._run(prompt, kwargs, stream=False, cancel=cancel)
 
-    def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[TokenEvent]:
-        """Like ``generate``, as TokenEvents (text, ``from_draft``; the last event carries the stop reason)."""
-        return self._run(prompt, kwargs, stream=True)
+    def stream(self, prompt: str | Sequence[int], *, cancel: CancelToken | None = None,
+               **kwargs) -> Iterator[TokenEvent]:
+        """Like ``generate``, as TokenEvents (text, ``from_draft``; the last event carries the stop reason and the
+        ``result``)."""
+        return self._run(prompt, kwargs, stream=True, cancel=cancel)
 
-    def chat(self, messages: Sequence[Mapping[str, str]], *, stream: bool = False, **kwargs):
+    def chat(self, messages: Sequence[Mapping[str, str]], *, stream: bool = False,
+             cancel: CancelToken | None = None, **kwargs):
         """``generate`` (or ``stream``) on the messages formatted with the model's chat template; the memory of
         the conversation so far is kept between turns (``reuse_prefix``)."""
         prompt = self.model.apply_chat_template(checks.messages(messages))
         kwargs.setdefault("reuse_prefix", True)
-        return self._run(prompt, kwargs, stream=stream)
+        return self._run(prompt, kwargs, stream=stream, cancel=cancel)
 
-    def _run(self, prompt, kwargs, *, stream: bool):
+    def _run(self, prompt, kwargs, *, stream: bool, cancel: CancelToken | None = None):
+        if cancel is not None:
+            checks.instance("cancel", cancel, CancelToken)
+            events = self._watch(self._run(prompt, kwargs, stream=True), cancel)  # arguments checked here
+            if stream:
+                return events
+            for event in events:
+                if event.result is not None:
+                    return event.result
         if self.speculator is not None:
             return self.speculator.generate(prompt, stream=stream, **kwargs)
         return generate(self.ctx, prompt, stream=stream, **kwargs)
+
+    def _watch(self, events: Iterator[TokenEvent], cancel: CancelToken) -> Iterator[TokenEvent]:
+        """``events``, stopped between rounds once ``cancel`` is cancelled (a round's tokens come out together, and
+        the next round is decoded only when its first event is asked for), and inside a decode by the abort
+        callback; a cancelled stream ends with a "cancelled" event."""
+        tokens: list[int] = []
+        pieces: list[str] = []
+        with self.ctx.abortable(cancel):
+            try:
+                while not cancel.cancelled:
+                    event = next(events, None)
+                    if event is None:
+                        return
+                    yield event
+                    if event.stop_reason is not None:
+                        return
+                    tokens.append(event.token)
+                    pieces.append(event.text)
+            except DecodeAbortedError:
+                if not cancel.cancelled:
+                    raise
+            finally:
+                events.close()  # releases the context now, before the cancelled event
+        stats = self.speculator.last_stats if self.speculator is not None else SpecStats()
+        stats.stop_reason = "cancelled"
+        result = GenerationResult("".join(pieces), tokens, "cancelled", stats)
+        yield TokenEvent(token=-1, text="", stop_reason="cancelled", result=result)
 
     # --- OpenAI-shaped completions (llama-cpp-python's names) ----------------------------
     def create_completion(self, prompt: str | Sequence[int], *, max_tokens: int | None = 16, temperature: float = 0.0,

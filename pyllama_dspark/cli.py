@@ -1,4 +1,4 @@
-"""pyllama-dspark command line: generate, chat, bench, info, convert, train, demo.
+"""pyllama-dspark command line: generate, chat, bench, info, convert, train, demo, serve.
 
 Options use llama.cpp's names (``-m -md -p -n -t -c -s -ngl --temp --top-k --top-p --draft-max --draft-min
 --draft-p-min``), with our longer names as aliases; ``--json PATH`` (``-`` = stdout) means the same in every
@@ -148,7 +148,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json_arg(demo, "both runs' figures")
     _add_convert_parser(sub, verbose)
     _add_train_parser(sub, verbose)
+    _add_serve_parser(sub, verbose)
     return parser
+
+
+def _add_serve_parser(sub, parents: list) -> None:
+    serve = sub.add_parser("serve", parents=parents, allow_abbrev=False,
+                           help="an OpenAI-compatible HTTP server (needs the [server] extra)",
+                           description="Serve the target (speculative with -md/--drafter) over the OpenAI API: "
+                                       "POST /v1/chat/completions and /v1/completions (streaming and not), "
+                                       "GET /v1/models, /health and /metrics (Prometheus). Loopback only unless "
+                                       "--host says otherwise. Sampling defaults follow OpenAI's API (temperature "
+                                       "1); send temperature 0 for exact greedy output.")
+    _add_model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                                                           "only; 0.0.0.0 for every interface)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = a free one, printed)")
+    serve.add_argument("--alias", default=None, help="the model name clients see and send (default: the file name)")
+    key = serve.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
+    key.add_argument("--api-key-file", default=None, help="read the API key from this file's first line")
+    serve.add_argument("--max-queue", type=int, default=64,
+                       help="most requests waiting for the model; more get 503 with Retry-After (default 64)")
+    serve.add_argument("-np", "--parallel", type=int, default=1, help="requests decoded at once (only 1 for now)")
+    _add_draft_args(serve)
 
 
 def _add_train_parser(sub, parents: list) -> None:
@@ -533,6 +556,30 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_serve(args) -> int:
+    from .server import ServeOptions, serve
+
+    if args.parallel != 1:
+        raise ValueError(f"--parallel {args.parallel}: only 1 for now (one request decodes at a time)")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    api_key = args.api_key
+    if args.api_key_file is not None:
+        lines = Path(args.api_key_file).read_text().strip().splitlines()
+        api_key = lines[0].strip() if lines else ""
+        if not api_key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+    options = ServeOptions(model=args.model, drafter=args.drafter, host=args.host, port=args.port, alias=args.alias,
+                           api_key=api_key, n_ctx=args.n_ctx, n_threads=args.n_threads, n_batch=args.n_batch,
+                           n_gpu_layers=args.n_gpu_layers, max_queue=args.max_queue, parallel=args.parallel,
+                           load_kwargs=dict(n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min,
+                                            prompt_lookup=args.prompt_lookup))
+    what = f"{args.model}" + (f" with the drafter {args.drafter}" if args.drafter else "")
+    serve(options, log_level="info" if args.verbose else "warning",
+          on_listen=lambda url: _say(f"serving {what} at {url}/v1 (loading; GET /health says when ready)"))
+    return 0
+
+
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Python warnings (a clamped --draft-max...) as one line each, without the source location."""
     _say(f"warning: {message}")
@@ -560,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_convert(args)
         if args.command == "train":
             return _cmd_train(args)
+        if args.command == "serve":
+            return _cmd_serve(args)
         return _cmd_demo(args)
     except (LlamaError, ValueError, OSError, ImportError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

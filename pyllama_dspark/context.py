@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from . import _log
+from . import _log, checks
 from ._lib import ffi, lib
 from ._owned import Owned
 from . import capture as _capture
@@ -48,6 +48,34 @@ def _serialised(method):
 
 # Architectures whose graphs expose every layer input (patch 0007 refuses the others natively too).
 _LAYER_INPUT_ARCHS = ("llama", "qwen3", "qwen35")
+
+
+class CancelToken:
+    """Asks a running generation to stop, from any thread: ``cancel()``.
+
+    A generation given the token (``LLM.stream(..., cancel=token)``) stops at the next round, and a decode
+    already running (a long prompt's prefill) stops at its next graph node: the token's flag is read there by a C
+    function set as llama.cpp's abort callback (``Context.abortable``), so no Python runs inside the decode.
+    """
+
+    def __init__(self):
+        self._flag = ffi.new("int32_t *")
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._flag[0] = 1
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until cancelled (or the timeout passes); True if cancelled."""
+        return self._event.wait(timeout)
+
+
+_CANCEL_REQUESTED = ffi.addressof(lib, "pyllama_cancel_requested")
 
 
 def default_threads() -> int:
@@ -246,6 +274,22 @@ class Context(Owned):
     def offloaded(self) -> bool:
         """True when this build has a GPU backend and the model was loaded with layers offloaded to it."""
         return self.model.n_gpu_layers != 0 and bool(lib.llama_supports_gpu_offload())
+
+    @contextlib.contextmanager
+    def abortable(self, token: CancelToken):
+        """While inside, a ``decode`` stops early (``DecodeAbortedError``) once ``token`` is cancelled; the
+        ubatches it processed stay in the memory, which the next generation clears or trims."""
+        checks.instance("token", token, CancelToken)
+        with self._lock:
+            lib.llama_set_abort_callback(self.ptr, _CANCEL_REQUESTED, token._flag)
+            self._abort_token = token  # the flag's memory must outlive the callback's use of it
+        try:
+            yield token
+        finally:
+            with self._lock:
+                if not self.closed:
+                    lib.llama_set_abort_callback(self._ptr, ffi.NULL, ffi.NULL)
+                self._abort_token = None
 
     # --- decode ------------------------------------------------------------------------
     def embd_batch(self, width: int | None = None) -> EmbdBatch:

@@ -28,8 +28,8 @@ class GenerationResult:
     Attributes:
         text: the generated text (prompt excluded; cut before a stop string).
         tokens: generated token ids.
-        stop_reason: "eog" (end-of-generation token), "stop" (a stop string), "max_tokens" or "n_ctx"
-            (context full). ``finish_reason`` gives it in OpenAI's terms ("stop" or "length").
+        stop_reason: "eog" (end-of-generation token), "stop" (a stop string), "max_tokens", "n_ctx"
+            (context full) or "cancelled" (a ``CancelToken``). ``finish_reason`` gives it in OpenAI's terms ("stop" or "length").
         stats: ``SpecStats`` (prompt and generated counts, timings; drafting figures stay 0 for plain decoding).
     """
 
@@ -61,7 +61,10 @@ class GenerationResult:
 
 
 def finish_reason(stop_reason: str) -> str:
-    """OpenAI's finish_reason for one of our stop reasons: "stop" (end of generation, stop string) or "length"."""
+    """OpenAI's finish_reason for one of our stop reasons: "stop" (end of generation, stop string), "length", or
+    "cancelled" (a ``CancelToken``; no OpenAI client sees it, its request is gone)."""
+    if stop_reason == "cancelled":
+        return "cancelled"
     return "stop" if stop_reason in ("eog", "stop") else "length"
 
 
@@ -71,13 +74,15 @@ class TokenEvent:
 
     ``text`` is "" while a UTF-8 sequence is incomplete or while the text could still begin a stop string.
     Every stream ends with one event of token -1 whose ``stop_reason`` (and ``finish_reason``) says why
-    the generation ended; its text is what was left (an incomplete UTF-8 tail as U+FFFD), usually "".
+    the generation ended; its text is what was left (an incomplete UTF-8 tail as U+FFFD), usually "", and its
+    ``result`` is the whole generation's ``GenerationResult`` (text, tokens, stats).
     """
 
     token: int
     text: str
     from_draft: bool = False
     stop_reason: str | None = None
+    result: GenerationResult | None = field(default=None, repr=False, compare=False)
 
     @property
     def finish_reason(self) -> str | None:
@@ -294,4 +299,4 @@ def stream_events(model, tokens: Iterator[tuple[int, bool]], stop: list[str], re
         close()
     tail = text.finish()
     result.text, result.stop_reason = text.text, result.stats.stop_reason
-    yield TokenEvent(token=-1, text=tail, stop_reason=result.stop_reason)
+    yield TokenEvent(token=-1, text=tail, stop_reason=result.stop_reason, result=result)

@@ -14,7 +14,7 @@ venv="${PYLLAMA_DSPARK_ASAN_VENV:-.venv-asan}"
 if [[ "${PYLLAMA_DSPARK_ASAN_REUSE:-0}" != 1 || ! -x "$venv/bin/python" ]]; then
     rm -rf "$venv"
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q -C build-dir=build/asan -C cmake.define.PYLLAMA_DSPARK_SANITIZE=address '.[test]'
+    "$venv/bin/pip" install -q -C build-dir=build/asan -C cmake.define.PYLLAMA_DSPARK_SANITIZE=address '.[test,server]'
 fi
 libasan="$(gcc -print-file-name=libasan.so)"
 [[ -e "$libasan" ]] || { echo "asan_pytest: libasan.so not found (gcc -print-file-name=libasan.so)" >&2; exit 2; }

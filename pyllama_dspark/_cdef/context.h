@@ -14,6 +14,7 @@ int32_t llama_decode(
         struct llama_context * ctx,
           struct llama_batch   batch);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
 void llama_synchronize(struct llama_context * ctx);
 float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);

@@ -27,6 +27,7 @@ enum ggml_type {
 };
 
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+typedef bool (*ggml_abort_callback)(void * data);
 
 enum llama_vocab_type {
     LLAMA_VOCAB_TYPE_NONE   = 0,

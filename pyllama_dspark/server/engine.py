@@ -1,0 +1,210 @@
+"""The engine: one thread owns the model, its context and the drafter, and runs the queued jobs in turn.
+
+Requests never call native code on the event loop. Each one becomes a ``Job`` with its own mailbox (an
+``asyncio.Queue`` of the event loop that submitted it); the engine thread posts every token event there with
+``call_soon_threadsafe`` and goes on at once, so a slow reader only lets its own mailbox grow (by at most
+``max_tokens`` events) and never holds up the engine. A job's ``CancelToken`` stops its generation at the next
+round, or inside a long prefill through llama.cpp's abort callback; the HTTP layer cancels it when the client goes.
+
+The engine runs ``parallel`` slots' worth of jobs; one for now (the facade has one context). The queue, the
+counters and the mailboxes do not assume one, so several slots (issue 25) change only ``_serve``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..context import CancelToken
+from ..generate import TokenEvent
+
+
+class QueueFullError(Exception):
+    """More jobs wait than ``max_queue`` allows."""
+
+
+class EngineUnavailableError(Exception):
+    """The engine is loading, failed to load, or is shutting down."""
+
+
+@dataclass
+class Job:
+    """One generation asked for by one request.
+
+    Attributes:
+        prompt: token ids (already checked against the context size).
+        sampling: keyword arguments of ``LLM.stream`` (max_tokens, temperature, top_p, top_k, stop, seed).
+        cancel: cancelled by the HTTP layer when the client disconnects, and by shutdown.
+    """
+
+    prompt: list[int]
+    sampling: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    mailbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: CancelToken = field(default_factory=CancelToken)
+    t_submitted: float = field(default_factory=time.perf_counter)
+
+    def post(self, item: TokenEvent | BaseException) -> None:
+        """From the engine thread: hand an event (or the error that ended the job) to the request's task."""
+        try:
+            self.loop.call_soon_threadsafe(self.mailbox.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is left to read
+            self.cancel.cancel()
+
+
+@dataclass
+class Counters:
+    """What ``/metrics`` reports; written by the engine thread only, read by anyone (plain ints and floats)."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
+    requests_processing: int = 0
+    requests_deferred: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, stats) -> None:
+        """Add a finished (or cancelled) generation's ``SpecStats``."""
+        self.prompt_tokens += stats.n_prompt - stats.n_reused
+        self.prompt_seconds += stats.t_prefill
+        self.generated_tokens += stats.n_generated
+        self.generation_seconds += stats.t_decode
+        self.drafts += stats.rounds
+        self.draft_tokens += stats.drafted
+        self.accepted_tokens += stats.accepted
+        for i, n in enumerate(stats.accepted_per_pos):
+            if i == len(self.accepted_per_pos):
+                self.accepted_per_pos.append(0)
+            self.accepted_per_pos[i] += n
+
+
+class Engine:
+    """Loads the model on its own thread (``state`` "loading", then "ready" or "failed") and serves jobs.
+
+    Args:
+        open_llm: called on the engine thread; returns the ``LLM`` (facade) the engine owns and closes.
+        max_queue: most jobs waiting for a free slot; more are refused with QueueFullError.
+        parallel: slots; 1 (several come with continuous batching).
+    """
+
+    def __init__(self, open_llm: Callable[[], Any], *, max_queue: int = 64, parallel: int = 1):
+        if parallel != 1:
+            raise ValueError(f"parallel must be 1 for now (got {parallel}): one slot per server")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.max_queue, self.parallel = max_queue, parallel
+        self.counters = Counters()
+        self.state = "loading"
+        self.load_error: BaseException | None = None
+        self.llm = None
+        self._open_llm = open_llm
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._main, name="pyllama-dspark-engine", daemon=True)
+        self._thread.start()
+
+    # --- called from the event loop ------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue a job.
+
+        Raises:
+            EngineUnavailableError: not ready (loading, failed, stopping).
+            QueueFullError: ``max_queue`` jobs already wait.
+        """
+        with self._wake:
+            if self._stopping or self.state != "ready":
+                raise EngineUnavailableError(self.unavailable_reason())
+            free_slots = max(0, self.parallel - len(self._running) - len(self._waiting))
+            if len(self._waiting) + 1 - free_slots > self.max_queue:
+                raise QueueFullError(f"{len(self._waiting)} requests are waiting (--max-queue {self.max_queue})")
+            self._waiting.append(job)
+            self.counters.requests_deferred = len(self._waiting)
+            self._wake.notify()
+
+    def unavailable_reason(self) -> str:
+        if self._stopping:
+            return "the server is shutting down"
+        if self.state == "failed":
+            return f"the model failed to load: {self.load_error}"
+        return "the model is loading"
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the model is loaded (or failed to); True when it is ready."""
+        self._ready.wait(timeout)
+        return self.state == "ready"
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Refuse new jobs, cancel the waiting and the running ones, let the engine close the model; idempotent."""
+        with self._wake:
+            self._stopping = True
+            for job in [*self._waiting, *self._running]:
+                job.cancel.cancel()
+            self._wake.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # --- the engine thread ----------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.llm = self._open_llm()
+        except BaseException as exc:  # reported by /health and to every request; the server keeps answering
+            self.load_error, self.state = exc, "failed"
+            self._ready.set()
+            return
+        self.state = "ready"
+        self._ready.set()
+        try:
+            self._serve()
+        finally:
+            self.state = "stopped"
+            self.llm.close()
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not self._waiting and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    for job in self._waiting:
+                        job.post(EngineUnavailableError("the server is shutting down"))
+                    self._waiting.clear()
+                    return
+                job = self._waiting.popleft()
+                self._running.append(job)
+                self.counters.requests_deferred = len(self._waiting)
+                self.counters.requests_processing = len(self._running)
+            try:
+                self._run(job)
+            finally:
+                with self._wake:
+                    self._running.remove(job)
+                    self.counters.requests_processing = len(self._running)
+
+    def _run(self, job: Job) -> None:
+        if job.cancel.cancelled:  # its client left while it waited
+            self.counters.requests_cancelled += 1
+            return
+        try:
+            for event in self.llm.stream(job.prompt, cancel=job.cancel, **job.sampling):
+                job.post(event)
+                if event.result is not None:
+                    self.counters.add(event.result.stats)
+                    if event.stop_reason == "cancelled":
+                        self.counters.requests_cancelled += 1
+                    else:
+                        self.counters.requests_finished += 1
+        except Exception as exc:  # noqa: BLE001 - the request gets it (an error event), the engine goes on
+            job.post(exc)
