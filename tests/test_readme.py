@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,9 @@ from pyllama_dspark import bundled
 from pyllama_dspark.testing import TinySpec
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.M | re.S)
+SERVER_SECTION = README.read_text().split("\n## Server\n", 1)[1].split("\n## ", 1)[0]
+# the Server section's Python example needs a running server: test_readme_server_examples_run runs it
+BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text().replace(SERVER_SECTION, ""), flags=re.M | re.S)
 CLI_SECTION = README.read_text().split("\n## CLI\n", 1)[1].split("\n## ", 1)[0]
 COMMANDS = [line for block in re.findall(r"^```sh\n(.*?)^```", CLI_SECTION, flags=re.M | re.S)
             for line in block.splitlines() if "pyllama-dspark " in line]
@@ -102,3 +105,43 @@ def test_readme_cli_example_runs(workdir, index):
                           env=env)
     assert proc.returncode == 0, f"README CLI example {index + 1}:\n{COMMANDS[index]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr
+
+
+def test_readme_server_examples_run(workdir):
+    """The Server section's serve command, curl line and Python example as written, on a free port for 8080."""
+    pytest.importorskip("uvicorn", reason="the server needs the [server] extra: pip install '.[server]'")
+    pytest.importorskip("openai", reason="the example needs the openai client: pip install '.[test]'")
+    import socket
+    import time
+
+    blocks = re.findall(r"^```(sh|python)\n(.*?)^```", SERVER_SECTION, flags=re.M | re.S)
+    (serve,), (curl,), (python,) = ([line for line in code.splitlines() if line.strip()] if kind == "sh" else [code]
+                                    for kind, code in blocks)
+    assert serve.startswith("pyllama-dspark serve ") and "8080" in serve and curl.startswith("curl ")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    server = subprocess.Popen(serve.replace("8080", port), shell=True, cwd=workdir, env=env, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        assert f"127.0.0.1:{port}/v1" in server.stderr.readline()
+        deadline = time.monotonic() + 120
+        while subprocess.run(f"curl -sf http://127.0.0.1:{port}/health", shell=True, capture_output=True).returncode:
+            assert time.monotonic() < deadline and server.poll() is None, "the server did not become healthy"
+            time.sleep(0.05)
+        reply = subprocess.run(curl.replace("8080", port), shell=True, cwd=workdir, capture_output=True, text=True,
+                               timeout=120)
+        assert reply.returncode == 0 and '"finish_reason"' in reply.stdout, reply.stdout + reply.stderr
+        example = subprocess.run([sys.executable, "-c", python.replace("8080", port)], cwd=workdir,
+                                 capture_output=True, text=True, timeout=120)
+        assert example.returncode == 0, example.stderr[-3000:]
+        assert "draft_n" in example.stdout and "total_tokens" in example.stdout
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(30)
+        server.stderr.close()

@@ -140,3 +140,24 @@ def test_per_position_counts_add_prompts_that_never_drafted():
                             PromptResult(1, 3, [1, 2], [1, 2], 0.1, SpecStats())])
     accepted, reached = summary.per_position_counts()
     assert accepted.tolist() == [1, 0] and reached.tolist() == [2, 1]
+
+
+def test_bench_server_small(tmp_path, make_pair):
+    pytest.importorskip("uvicorn", reason="the server needs the [server] extra: pip install '.[server]'")
+    pytest.importorskip("httpx", reason="bench_server.py needs httpx: pip install '.[test]'")
+    from pyllama_dspark.testing import TinySpec
+
+    pair = make_pair(TinySpec(arch="llama", n_layer=3, vocab="llama-spm", chat_template="chatml"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"story {i} about a cat"}]})
+                               + "\n" for i in range(5)))
+    result = run_script("bench_server.py", "--model", str(pair.target), "--drafter", str(pair.drafter), "--prompts",
+                        str(prompts), "--clients", "1", "3", "--max-tokens", "8", "-c", "256", tmp_path=tmp_path)
+    assert [run["clients"] for run in result["runs"]] == [1, 3] and result["prompts"] == 5
+    for run in result["runs"]:
+        assert run["identical"] and run["throughput_ratio"] > 0
+        for name in ("plain", "dspark"):
+            figures = run[name]
+            assert figures["requests"] == 5 and 0 < figures["generated_tokens"] <= 40
+            assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"] and figures["latency_p50_s"] <= figures["latency_p99_s"]
+        assert run["plain"]["draft_tokens"] == 0

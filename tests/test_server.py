@@ -435,3 +435,24 @@ def test_serve_command_refuses_bad_options_in_one_line(target, tmp_path):
         run = subprocess.run([sys.executable, "-m", "pyllama_dspark", "serve", "-m", str(target), "--port", "0", *args],
                              capture_output=True, text=True, timeout=120, env={**os.environ})
         assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_shutdown_cancels_a_running_stream_and_closes_the_model(slow_model):
+    srv = BackgroundServer(slow_model, n_ctx=8192)
+    llm = srv.engine.llm
+    body = {"prompt": "Once upon a time", "max_tokens": 8000, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            closer = threading.Thread(target=srv.close)
+            closer.start()
+            rest = [line for line in lines if line]
+            closer.join(60)
+        assert not closer.is_alive()
+        assert "event: error" in rest and "shutting down" in rest[-1]
+        assert srv.engine.state == "stopped" and llm.ctx.closed
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{srv.url}/health", timeout=5)
+    finally:
+        srv.close()
