@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from . import checks
+from .batching import BatchRequest, BatchScheduler
 from .context import CancelToken, Context
 from .drafter import DSparkDrafter, PromptLookupDrafter
 from .errors import DecodeAbortedError
-from .generate import GenerationResult, TokenEvent, generate
+from .generate import GenerationResult, TokenEvent, generate, prompt_tokens, sampling_params
 from .hybrid import HybridDrafter
 from .model import Model
+from .sampling import Sampler
 from .speculative import Speculator
 from .stats import SpecStats
 
@@ -95,6 +97,10 @@ class LLM:
         if (model.is_hybrid or model.is_recurrent) and (drafter is not None or lookup is not None):
             context_kwargs.setdefault("n_rs_seq", Speculator.target_rs_seq(min(n_draft or block, block)))
         self.ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads, **context_kwargs)
+        # what a batch scheduler's own context and drafter are made with (batch_scheduler)
+        self._batch_settings = dict(n_threads=n_threads, n_gpu_layers=n_gpu_layers, p_min=p_min, n_draft=n_draft,
+                                    context_kwargs=dict(context_kwargs))
+        self._schedulers: dict[int, tuple] = {}
         try:
             if is_path:
                 drafter = DSparkDrafter(drafter, self.ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
@@ -173,6 +179,57 @@ class LLM:
         result = GenerationResult("".join(pieces), tokens, "cancelled", stats)
         yield TokenEvent(token=-1, text="", stop_reason="cancelled", result=result)
 
+    # --- continuous batching ------------------------------------------------------------------
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, parallel: int = 4, max_tokens: int = 128,
+                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                       stop: str | Sequence[str] | None = None, stop_at_eog: bool = True,
+                       add_special: bool = True) -> list[GenerationResult]:
+        """Generate for many prompts, ``parallel`` at a time sharing every decode (continuous batching); the
+        results in prompt order. At temperature 0 each result is exactly what ``generate`` gives for that prompt
+        alone. With ``seed``, prompt i samples with seed + i.
+
+        Raises:
+            TypeError / ValueError: as ``generate``, for any of the prompts (checked before any decode).
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of prompts (text or token ids), got {type(prompts).__name__}")
+        scheduler = self.batch_scheduler(checks.integer("parallel", parallel, minimum=1))
+        max_tokens = checks.integer("max_tokens", max_tokens, minimum=0)
+        stop = checks.stop_strings(stop)
+        seed = checks.optional_integer("seed", seed)
+        requests = []
+        for i, prompt in enumerate(prompts):
+            tokens = prompt_tokens(scheduler.ctx, prompt, add_special=add_special)
+            params = sampling_params(temperature, top_k, top_p, None if seed is None else seed + i)
+            requests.append(BatchRequest(tokens, max_tokens, Sampler(params), stop, stop_at_eog=stop_at_eog))
+        return scheduler.run(requests)
+
+    def batch_scheduler(self, parallel: int) -> BatchScheduler:
+        """The ``BatchScheduler`` behind ``generate_batch`` and ``serve --parallel``: a second Context on this
+        model with ``parallel`` sequences of this LLM's n_ctx each, and, when this LLM drafts with a DSpark
+        drafter, a drafter for all of them (prompt lookup does not batch: a hybrid LLM batches its DSpark drafter;
+        prompt lookup alone batches plain decoding). Made once per ``parallel``, closed with the LLM."""
+        if parallel not in self._schedulers:
+            settings = self._batch_settings
+            dspark = self.drafter.model_drafter if isinstance(self.drafter, HybridDrafter) else self.drafter
+            dspark = dspark if isinstance(dspark, DSparkDrafter) else None
+            kwargs = dict(settings["context_kwargs"])
+            if dspark is not None and (self.model.is_hybrid or self.model.is_recurrent):
+                kwargs["n_rs_seq"] = Speculator.target_rs_seq(dspark.block_size)
+            kwargs.setdefault("n_batch", self.ctx.n_batch)
+            ctx = Context(self.model, n_ctx=self.ctx.n_ctx_seq * parallel, n_seq_max=parallel,
+                          n_threads=settings["n_threads"], **kwargs)
+            try:
+                drafter = None if dspark is None else DSparkDrafter(
+                    dspark.model.path, ctx, n_threads=settings["n_threads"], n_gpu_layers=settings["n_gpu_layers"],
+                    p_min=settings["p_min"])
+                self._schedulers[parallel] = (BatchScheduler(ctx, drafter, n_draft=settings["n_draft"]), ctx,
+                                              drafter)
+            except BaseException:
+                ctx.close()
+                raise
+        return self._schedulers[parallel][0]
+
     # --- OpenAI-shaped completions (llama-cpp-python's names) ----------------------------
     def create_completion(self, prompt: str | Sequence[int], *, max_tokens: int | None = 16, temperature: float = 0.0,
                           top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
@@ -239,6 +296,12 @@ class LLM:
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
         """Close the drafter, the context and (if ``load`` opened it) the model."""
+        for scheduler, ctx, drafter in self._schedulers.values():
+            scheduler.close()
+            if drafter is not None:
+                drafter.close()
+            ctx.close()
+        self._schedulers.clear()
         close = getattr(self.drafter, "close", None)
         if close is not None:
             close()

@@ -239,6 +239,12 @@ class Context(Owned):
         return lib.llama_n_ctx(self.ptr)
 
     @property
+    def n_ctx_seq(self) -> int:
+        """Cells one sequence may use: n_ctx, or with n_seq_max > 1 its share (each sequence has a KV stream of
+        its own, so one sequence's cells never sit among another's)."""
+        return lib.llama_n_ctx_seq(self.ptr)
+
+    @property
     def n_batch(self) -> int:
         return lib.llama_n_batch(self.ptr)
 

@@ -194,6 +194,8 @@ class DSparkDrafter:
         p_min: cut the draft at the first slot whose confidence is below p_min (0 = off).
         kv_type, flash_attn: the drafter context's KV cache type and flash attention (see Context); "f32" and
             False bring its logits within ~1e-6 of a float reference.
+        n_seq_max: sequences (default: the target's n_seq_max): sequence i drafts for the target's sequence i,
+            and ``propose_many`` drafts for several in one decode. ``n_ctx`` is then per sequence.
 
     Raises:
         DrafterError: see ``inspect_drafter``; ValueError: p_min with no confidence head, or n_ctx too small.
@@ -205,7 +207,7 @@ class DSparkDrafter:
 
     def __init__(self, path, target: Context, *, n_ctx: int | None = None, n_batch: int | None = None,
                  n_threads: int | None = None, n_gpu_layers: int = 0, p_min: float = 0.0, kv_type: str = "f16",
-                 flash_attn: bool | None = None):
+                 flash_attn: bool | None = None, n_seq_max: int | None = None):
         target.ptr  # a closed target raises ClosedHandleError before anything is loaded
         self.model = Model(path, n_gpu_layers=n_gpu_layers)
         try:
@@ -213,15 +215,16 @@ class DSparkDrafter:
             if p_min > 0.0 and not self.info.has_confidence:
                 raise DrafterError("p_min > 0 needs a confidence head; this drafter has none", op="DSparkDrafter")
             # A block is drafted at positions pos..pos+B-1 after pos committed cells; pos reaches n_ctx - 1.
-            n_ctx_min = target.n_ctx + self.info.block_size - 1
+            n_ctx_min = target.n_ctx_seq + self.info.block_size - 1
             if n_ctx is not None and n_ctx < n_ctx_min:
                 raise ValueError(f"drafter n_ctx={n_ctx} is too small: drafting a block of {self.info.block_size} "
                                  f"at the target's last position needs n_ctx >= {n_ctx_min} (the target's "
-                                 f"{target.n_ctx} + block size - 1)")
-            n_batch = max(n_batch or target.n_batch, self.info.block_size)
-            self.ctx = Context(self.model, n_ctx=n_ctx or n_ctx_min, n_batch=n_batch, n_ubatch=n_batch,
-                               n_threads=n_threads, ctx_other=target, kv_type=kv_type,
-                               flash_attn=flash_attn)
+                                 f"{target.n_ctx_seq} + block size - 1)")
+            self.n_seq_max = target.n_seq_max if n_seq_max is None else int(n_seq_max)
+            n_batch = max(n_batch or target.n_batch, self.info.block_size * self.n_seq_max)
+            self.ctx = Context(self.model, n_ctx=(n_ctx or n_ctx_min) * self.n_seq_max, n_batch=n_batch,
+                               n_ubatch=n_batch, n_seq_max=self.n_seq_max, n_threads=n_threads, ctx_other=target,
+                               kv_type=kv_type, flash_attn=flash_attn)
             # the native drafter context holds a pointer to the target's: it must be freed first
             target._adopt(self.ctx)
         except BaseException:
@@ -234,9 +237,9 @@ class DSparkDrafter:
             self.ctx.set_nextn(True, masked=True)
         self.width = len(self.info.target_layers) * target.model.n_embd
         self._rows = self.ctx.embd_batch(self.width)
-        self._block = Batch(self.info.block_size)
-        self._pending: np.ndarray | None = None  # observed rows not injected yet, at positions _pending_pos0..
-        self._pending_pos0 = 0
+        self._block = Batch(self.info.block_size * self.n_seq_max, n_seq_max=self.n_seq_max)
+        # per sequence: observed rows not injected yet, and the position of the first
+        self._pending: dict[int, tuple[np.ndarray, int]] = {}
         self._bias = None  # Markov bias function, loaded on the first sampled draft
 
     @property
@@ -263,10 +266,15 @@ class DSparkDrafter:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def reset(self) -> None:
+    def reset(self, seq_id: int | None = None) -> None:
+        """Forget what was observed: for one sequence, or (None) for all."""
         self._check_open()
-        self.ctx.clear()
-        self._pending = None
+        if seq_id is None:
+            self.ctx.clear()
+            self._pending.clear()
+        else:
+            self.ctx.seq_rm(self._seq(seq_id))
+            self._pending.pop(seq_id, None)
 
     def _check_open(self) -> None:
         if self.target.closed:
@@ -275,43 +283,56 @@ class DSparkDrafter:
         if self.ctx.closed:
             raise ClosedHandleError("DSparkDrafter is closed")
 
-    def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int) -> None:
-        """Take the capture rows of committed positions pos0.. (anything observed at or after pos0 before is
-        stale: rejected or re-fed).
+    def _seq(self, seq_id: int) -> int:
+        if not 0 <= seq_id < self.n_seq_max:
+            raise ValueError(f"seq_id {seq_id} outside [0, {self.n_seq_max})")
+        return int(seq_id)
+
+    def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int, seq_id: int = 0) -> None:
+        """Take the capture rows of committed positions pos0.. of sequence ``seq_id`` (anything observed there at
+        or after pos0 before is stale: rejected or re-fed).
 
         The rows are injected into the drafter's KV cache lazily, in one decode before the next ``propose``:
         rounds that do not draft (a cost-aware loop's plain steps) then cost one batched injection later
         instead of one decode each.
         """
         self._check_open()
+        self._seq(seq_id)
         if rows is None or len(rows) == 0:
             return
         rows = np.array(rows, dtype=np.float32)  # a copy: the caller's buffer may be the target's, reused
         if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"feature rows must be [n, {self.width}], got {list(rows.shape)}")
-        if self._pending is not None:
-            end = self._pending_pos0 + len(self._pending)
-            if self._pending_pos0 <= pos0 <= end:
-                self._pending = np.concatenate([self._pending[: pos0 - self._pending_pos0], rows])
+        if seq_id in self._pending:
+            pending, start = self._pending[seq_id]
+            end = start + len(pending)
+            if start <= pos0 <= end:
+                self._pending[seq_id] = (np.concatenate([pending[: pos0 - start], rows]), start)
                 return
             if pos0 > end:
-                self._flush()
-        self._pending, self._pending_pos0 = rows, pos0
+                self._flush([seq_id])
+        self._pending[seq_id] = (rows, pos0)
 
-    def _flush(self) -> None:
-        """Inject the pending rows (dropping the cache's cells at and after their first position)."""
-        rows, pos0 = self._pending, self._pending_pos0
-        if rows is None:
-            return
-        self._pending = None
-        self.ctx.seq_rm(0, pos0, -1)
-        step = self.ctx.n_batch
-        for start in range(0, len(rows), step):
-            self._rows.clear()
-            self._rows.add_rows(rows[start:start + step], pos0 + start)
+    def _flush(self, seq_ids) -> None:
+        """Inject the pending rows of these sequences (dropping their cells at and after the first position), all
+        sequences' rows in the same decodes."""
+        chunks = []
+        for seq_id in seq_ids:
+            if seq_id in self._pending:
+                rows, pos0 = self._pending.pop(seq_id)
+                self.ctx.seq_rm(seq_id, pos0, -1)
+                chunks += [(seq_id, rows[i:i + self.ctx.n_batch], pos0 + i) for i in range(0, len(rows),
+                                                                                           self.ctx.n_batch)]
+        self._rows.clear()
+        for seq_id, rows, pos0 in chunks:
+            if self._rows.n_tokens + len(rows) > self.ctx.n_batch:
+                self.ctx.decode(self._rows)
+                self._rows.clear()
+            self._rows.add_rows(rows, pos0, seq_id=seq_id)
+        if self._rows.n_tokens:
             self.ctx.decode(self._rows)
 
-    def propose(self, anchor: int, pos: int, n_max: int | None = None, sampler=None) -> Draft:
+    def propose(self, anchor: int, pos: int, n_max: int | None = None, sampler=None, seq_id: int = 0) -> Draft:
         """Draft up to n_max (default: the block size) tokens after ``anchor`` at position ``pos``.
 
         Greedy (no sampler, or temperature 0): slot k's token is the argmax of its post-Markov logits,
@@ -320,25 +341,47 @@ class DSparkDrafter:
         so ``Draft.probs`` is the q each token came from. The confidence cut (p_min) reads the
         graph's confidence, which follows the greedy chain.
         """
+        return self.propose_many([(seq_id, anchor, pos, n_max, sampler)])[0]
+
+    def propose_many(self, requests) -> list[Draft]:
+        """Drafts for several sequences in one decode: ``requests`` is a list of (seq_id, anchor, pos, n_max,
+        sampler) with distinct seq_ids; the Drafts come in the same order."""
         self._check_open()
         block = self.info.block_size
-        n_max = block if n_max is None else min(int(n_max), block)
-        if n_max < 1:
-            raise ValueError(f"n_max must be >= 1, got {n_max}")
-        self._flush()
+        wanted = []
+        for seq_id, anchor, pos, n_max, sampler in requests:
+            n_max = block if n_max is None else min(int(n_max), block)
+            if n_max < 1:
+                raise ValueError(f"n_max must be >= 1, got {n_max}")
+            wanted.append((self._seq(seq_id), int(anchor), int(pos), n_max, sampler))
+        if len({w[0] for w in wanted}) != len(wanted):
+            raise ValueError("propose_many: one request per sequence")
+        self._flush([w[0] for w in wanted])
         self._block.clear()
-        # The whole block is decoded (its slots attend to each other), but only the first n_max slots are
-        # flagged: patch 0009 runs the output head, the Markov chain and the confidence head on those alone.
-        self._block.add_tokens([anchor] + [self.info.mask_token] * (block - 1), pos,
-                               logits=[True] * n_max + [False] * (block - n_max))
+        # The whole block is decoded (its slots attend to each other), but only its first slots are flagged:
+        # patch 0009 runs the output head, the Markov chain and the confidence head on those alone. The graph
+        # chains the Markov head only when every block flags as many slots, so all flag the most asked for.
+        n_flag = max(w[3] for w in wanted)
+        for seq_id, anchor, pos, _, _ in wanted:
+            self._block.add_tokens([anchor] + [self.info.mask_token] * (block - 1), pos, seq_id=seq_id,
+                                   logits=[True] * n_flag + [False] * (block - n_flag))
         try:
             self.ctx.decode(self._block)
             logits = self.ctx.all_logits().copy()
-            confidence = (np.array([self.ctx.nextn_row(i)[0] for i in range(n_max)], dtype=np.float32)
-                          if self.info.has_confidence else None)
+            confidence = (np.array([self.ctx.nextn_row(i)[0] for i in self._block.output_indices],
+                                   dtype=np.float32) if self.info.has_confidence else None)
         finally:
-            self.ctx.seq_rm(0, pos, -1)  # the block's own cells are not context
-        n = n_max
+            for seq_id, _, pos, _, _ in wanted:
+                self.ctx.seq_rm(seq_id, pos, -1)  # the block's own cells are not context
+        drafts = []
+        for i, (seq_id, anchor, pos, n_max, sampler) in enumerate(wanted):
+            rows = logits[i * n_flag:i * n_flag + n_max]
+            conf = None if confidence is None else confidence[i * n_flag:i * n_flag + n_max]
+            drafts.append(self._draft(anchor, rows, conf, sampler))
+        return drafts
+
+    def _draft(self, anchor: int, logits: np.ndarray, confidence: np.ndarray | None, sampler) -> Draft:
+        n = len(logits)
         if self.p_min > 0.0 and confidence is not None:
             below = np.flatnonzero(confidence[:n] < self.p_min)
             n = int(below[0]) if below.size else n

@@ -153,8 +153,8 @@ def prompt_tokens(ctx: Context, prompt: str | Sequence[int], *, add_special: boo
         tokens = ctx.model._checked_tokens(prompt)
     if len(tokens) == 0:
         raise ValueError("empty prompt: give at least one token")
-    if len(tokens) >= ctx.n_ctx:
-        raise ValueError(f"prompt of {len(tokens)} tokens does not fit n_ctx={ctx.n_ctx} (need room to generate)")
+    if len(tokens) >= ctx.n_ctx_seq:
+        raise ValueError(f"prompt of {len(tokens)} tokens does not fit n_ctx={ctx.n_ctx_seq} (need room to generate)")
     return tokens
 
 
@@ -216,7 +216,7 @@ def _generate_owned(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sample
             if stop_at_eog and ctx.model.is_eog(token):
                 stats.stop_reason = "eog"
                 break
-            if pos >= ctx.n_ctx:
+            if pos >= ctx.n_ctx_seq:
                 stats.stop_reason = "n_ctx"
                 break
             batch.clear()

@@ -189,7 +189,7 @@ class Speculator:
 
     def _run_owned(self, tokens: np.ndarray, max_tokens: int, sampler: Sampler, stop_at_eog: bool,
                    stats: SpecStats, reuse_prefix: bool) -> Iterator[Step]:
-        ctx, n_ctx = self.target, self.target.n_ctx
+        ctx, n_ctx = self.target, self.target.n_ctx_seq
         keep = ctx._reusable_prefix(self, tokens) if reuse_prefix else 0
         ctx._forget()
         stats.n_reused = keep

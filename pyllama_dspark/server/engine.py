@@ -134,6 +134,11 @@ class Engine:
             self.counters.requests_deferred = len(self._waiting)
             self._wake.notify()
 
+    @property
+    def n_waiting(self) -> int:
+        """Jobs queued, not yet running."""
+        return len(self._waiting)
+
     def unavailable_reason(self) -> str:
         if self._stopping:
             return "the server is shutting down"

@@ -1,0 +1,324 @@
+"""Continuous batching: several generations share every target decode, and each one's output is still exactly its
+solo output (its plain greedy output at temperature 0).
+
+Why it stays exact:
+
+- each sequence has a KV stream of its own (llama.cpp's non-unified cache, the default with ``n_seq_max > 1``), so
+  attention over one sequence's cells never meets another's, or a hole another's ``seq_rm`` left;
+- a verify batch stays within the rows the consistent-numerics mode covers (``max_rows``, 64): every row is then
+  computed by the same kernels as a single token, whatever else is in the batch;
+- a prompt is prefilled alone, in the chunks a solo generation uses (``n_batch`` tokens), one chunk per step, so a
+  long prompt never stalls the others for more than one chunk and its cells are the solo run's bit for bit.
+
+One step (``BatchScheduler.step``): admit waiting requests into free sequences; end the cancelled ones; decode the
+next prompt chunk of one prefilling sequence (with its ``CancelToken`` as the abort flag); draft for every decoding
+sequence that drafts this round in one drafter decode (``DSparkDrafter.propose_many``); verify every decoding
+sequence's [anchor, drafts] in one target decode; accept, roll back each sequence's rejected cells, feed the drafter
+the committed rows; end the sequences that hit end-of-generation, a stop string, ``max_tokens`` or their context.
+A finished sequence's KV (and recurrent state) is freed at once. Each step returns the new ``TokenEvent``s of every
+sequence, the last one of a finished sequence carrying its ``GenerationResult``.
+
+The draft length is chosen per sequence: a fixed ``n_draft``, or the cost-aware ``DraftLengthChooser`` of that
+sequence, which is charged its share of each batched decode (its rows over all rows) as its cost.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from . import checks
+from .batch import Batch
+from .context import CancelToken, Context
+from .draft_length import DraftLengthChooser
+from .drafter import Draft
+from .errors import DecodeAbortedError
+from .generate import GenerationResult, TextStream, TokenEvent
+from .sampling import Sampler
+from .stats import SpecStats
+
+MAX_EXACT_ROWS = 64  # rows a decode may have for consistent numerics to hold (patches 0005, 0012)
+
+
+@dataclass
+class BatchRequest:
+    """One generation for the scheduler: prompt token ids and its own sampler (seeded per request)."""
+
+    tokens: np.ndarray
+    max_tokens: int
+    sampler: Sampler = field(default_factory=Sampler)
+    stop: list[str] = field(default_factory=list)
+    stop_at_eog: bool = True
+    cancel: CancelToken | None = None
+
+
+class BatchSequence:
+    """A request inside the scheduler (its handle): ``seq_id`` once admitted, ``result`` once finished."""
+
+    def __init__(self, request: BatchRequest, text: TextStream, chooser: DraftLengthChooser | None):
+        self.request = request
+        self.seq_id: int | None = None
+        self.stats = SpecStats()
+        self.stats.n_prompt, self.stats.stop_reason = len(request.tokens), "max_tokens"
+        self.text = text
+        self.tokens: list[int] = []
+        self.chooser = chooser
+        self.prefilled = 0  # prompt tokens decoded so far
+        self.pos = 0  # the anchor's position, once prefilled
+        self.anchor = -1
+        self.result: GenerationResult | None = None
+        self._t0 = time.perf_counter()
+        self._t_decode0 = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
+class BatchScheduler:
+    """Runs many generations on one multi-sequence target Context (and drafter), one batched step at a time.
+
+    Args:
+        ctx: the target's Context, with ``n_seq_max`` sequences (one per concurrent generation) and per-sequence KV
+            (the default); it is this scheduler's alone. Hybrid targets need ``n_rs_seq`` >= the drafts per round.
+        drafter: a ``DSparkDrafter`` with at least ``ctx.n_seq_max`` sequences (``n_seq_max``), or None: plain
+            decoding, batched.
+        n_draft: drafts per round per sequence; None: cost-aware per sequence.
+        max_rows: most rows in one verify decode (at most 64, where the exact mode holds).
+
+    Raises:
+        TypeError, ValueError: a bad argument (a drafter with too few sequences, max_rows outside [1, 64]).
+    """
+
+    def __init__(self, ctx: Context, drafter=None, *, n_draft: int | None = None, max_rows: int = MAX_EXACT_ROWS):
+        checks.instance("ctx", ctx, Context)
+        max_rows = checks.integer("max_rows", max_rows, minimum=1)
+        if max_rows > MAX_EXACT_ROWS:
+            raise ValueError(f"max_rows must be <= {MAX_EXACT_ROWS} (the rows consistent numerics covers), got "
+                             f"{max_rows}")
+        self.n_slots = ctx.n_seq_max
+        if self.n_slots > max_rows:
+            raise ValueError(f"{self.n_slots} sequences cannot share a verify of {max_rows} rows")
+        if drafter is not None:
+            if not hasattr(drafter, "propose_many"):
+                raise TypeError(f"drafter must draft for several sequences (DSparkDrafter), got "
+                                f"{type(drafter).__name__}")
+            if drafter.n_seq_max < self.n_slots:
+                raise ValueError(f"the drafter has {drafter.n_seq_max} sequences, the target context "
+                                 f"{self.n_slots}: create it with n_seq_max={self.n_slots}")
+            block = drafter.block_size
+            n_draft = checks.optional_integer("n_draft", n_draft, minimum=0)
+            self.n_draft = block if n_draft is None else min(n_draft, block)
+            if (ctx.model.is_recurrent or ctx.model.is_hybrid) and ctx.n_rs_seq < self.n_draft:
+                raise ValueError(f"{ctx.model.arch} target needs n_rs_seq >= {self.n_draft} for rollback")
+            ctx.set_capture_layers(list(drafter.capture_layers), masked=False)
+        else:
+            self.n_draft = 0
+        self.cost_aware = drafter is not None and n_draft is None
+        self.ctx, self.drafter, self.max_rows = ctx, drafter, max_rows
+        self._batch = Batch(max(ctx.n_batch, max_rows), n_seq_max=self.n_slots)
+        self._waiting: collections.deque[BatchSequence] = collections.deque()
+        self._slots: list[BatchSequence | None] = [None] * self.n_slots
+        ctx.clear()
+        if drafter is not None:
+            drafter.reset()
+
+    # --- requests -------------------------------------------------------------------------------------
+    def submit(self, request: BatchRequest) -> BatchSequence:
+        """Queue a generation; it is admitted at the next step with a free sequence.
+
+        Raises:
+            ValueError: an empty prompt, or one that does not fit a sequence's context.
+        """
+        n_ctx = self.ctx.n_ctx_seq
+        checks.integer("max_tokens", request.max_tokens, minimum=0)
+        if len(request.tokens) == 0:
+            raise ValueError("empty prompt: give at least one token")
+        if len(request.tokens) >= n_ctx:
+            raise ValueError(f"prompt of {len(request.tokens)} tokens does not fit a sequence's context of {n_ctx}")
+        chooser = DraftLengthChooser(self.n_draft) if self.cost_aware else None
+        seq = BatchSequence(request, TextStream(self.ctx.model, request.stop), chooser)
+        self._waiting.append(seq)
+        return seq
+
+    @property
+    def active(self) -> list[BatchSequence]:
+        return [s for s in self._slots if s is not None]
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self.active
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def step(self) -> dict[BatchSequence, list[TokenEvent]]:
+        """Advance every sequence by one round (a prefilling one by one prompt chunk); the new events by sequence."""
+        events: dict[BatchSequence, list[TokenEvent]] = collections.defaultdict(list)
+        self._admit(events)
+        for seq in self.active:
+            if seq.request.cancel is not None and seq.request.cancel.cancelled:
+                self._finish(seq, "cancelled", events)
+        prefilling = next((s for s in self.active if s.prefilling), None)
+        if prefilling is not None:
+            self._prefill_chunk(prefilling, events)
+        decoding = [s for s in self.active if not s.prefilling and s is not prefilling]
+        if decoding:
+            self._round(decoding, events)
+        return dict(events)
+
+    def run(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+        """Submit these requests and step until all are done; their results in order."""
+        handles = [self.submit(r) for r in requests]
+        while not all(h.finished for h in handles):
+            self.step()
+        return [h.result for h in handles]
+
+    def _admit(self, events) -> None:
+        for i, slot in enumerate(self._slots):
+            while self._slots[i] is None and self._waiting:
+                seq = self._waiting.popleft()
+                seq.seq_id = i
+                self._slots[i] = seq
+                if seq.request.max_tokens == 0:
+                    self._finish(seq, "max_tokens", events)
+
+    def _prefill_chunk(self, seq: BatchSequence, events) -> None:
+        """The next n_batch prompt tokens of one sequence, alone in its decode (the chunks a solo run decodes)."""
+        tokens, start = seq.request.tokens, seq.prefilled
+        chunk = tokens[start:start + self.ctx.n_batch]
+        last = start + len(chunk) >= len(tokens)
+        self._batch.clear()
+        self._batch.add_tokens(chunk, start, seq_id=seq.seq_id, logits="last" if last else "none")
+        t0 = time.perf_counter()
+        try:
+            if seq.request.cancel is not None:
+                with self.ctx.abortable(seq.request.cancel):
+                    self.ctx.decode(self._batch)
+            else:
+                self.ctx.decode(self._batch)
+        except DecodeAbortedError:
+            self._finish(seq, "cancelled", events)
+            return
+        if self.drafter is not None:
+            self.drafter.observe(chunk, self.ctx.capture().copy(), start, seq_id=seq.seq_id)
+        seq.stats.t_prefill += time.perf_counter() - t0
+        seq.prefilled += len(chunk)
+        if last:
+            seq.pos = len(tokens)
+            seq._t_decode0 = time.perf_counter()
+            self._commit(seq, [seq.request.sampler(self.ctx.logits(-1))], [False], events)
+
+    def _round(self, decoding: list[BatchSequence], events) -> None:
+        n_ctx = self.ctx.n_ctx_seq
+        plans = {}
+        for seq in decoding:
+            n_left = seq.request.max_tokens - len(seq.tokens)
+            n_max = min(self.n_draft, n_ctx - seq.pos - 1, n_left - 1)
+            plans[seq] = 0 if n_max <= 0 else (seq.chooser.plan(n_max) if seq.chooser is not None else n_max)
+        self._fit_rows(plans)
+        drafting = [s for s in decoding if plans[s] > 0]
+        t0 = time.perf_counter()
+        drafts: dict[BatchSequence, Draft] = {}
+        if drafting:
+            made = self.drafter.propose_many([(s.seq_id, s.anchor, s.pos, plans[s], s.request.sampler)
+                                              for s in drafting])
+            drafts = dict(zip(drafting, made))
+        t_draft = time.perf_counter() - t0
+        n_drafted_all = sum(len(d.tokens) for d in drafts.values()) or 1
+        chosen = {}
+        for seq in decoding:
+            draft = drafts.get(seq, Draft(np.zeros(0, np.int32)))
+            k = min(plans[seq], len(draft.tokens))
+            if seq.chooser is not None and k:
+                k = seq.chooser.cut(draft.confidence, k, t_draft * len(draft.tokens) / n_drafted_all)
+            chosen[seq] = (draft, np.asarray(draft.tokens[:k], dtype=np.int32))
+        # verify: every sequence's [anchor, d0..dk-1], each at its positions in its own sequence
+        self._batch.clear()
+        starts = {}
+        for seq in decoding:
+            starts[seq] = self._batch.add_tokens(np.concatenate([[seq.anchor], chosen[seq][1]]), seq.pos,
+                                                 seq_id=seq.seq_id, logits="all")
+        t1 = time.perf_counter()
+        self.ctx.decode(self._batch)
+        logits = self.ctx.all_logits()
+        features = self.ctx.capture() if self.drafter is not None else None
+        n_rows = self._batch.n_tokens
+        t_verify = time.perf_counter() - t1
+        from .speculative import Speculator  # the accept rule of the single-sequence loop, shared
+
+        for seq in decoding:
+            draft, drafts_k = chosen[seq]
+            k, start = len(drafts_k), starts[seq]
+            n, token = Speculator._accept(drafts_k, draft, logits[start:start + k + 1], seq.request.sampler)
+            if n < k:
+                self.ctx.seq_rm(seq.seq_id, seq.pos + n + 1, -1)
+            if features is not None:
+                committed_rows = np.concatenate([[seq.anchor], drafts_k[:n]]).astype(np.int32)
+                self.drafter.observe(committed_rows, features[start:start + n + 1], seq.pos, seq_id=seq.seq_id)
+            share_draft = t_draft * len(draft.tokens) / n_drafted_all
+            share_verify = t_verify * (k + 1) / n_rows
+            seq.stats.observe_round(k, n, source="dspark" if len(draft.tokens) else "", t_draft=share_draft)
+            seq.stats.t_verify += share_verify
+            if seq.chooser is not None:
+                seq.chooser.observe_round(k, n, share_draft, share_verify, k_drafted=len(draft.tokens))
+            seq.pos += n + 1
+            self._commit(seq, [int(t) for t in drafts_k[:n]] + [token], [True] * n + [False], events)
+
+    def _fit_rows(self, plans: dict) -> None:
+        """Fewer drafts where the batch would exceed max_rows: the longest drafts are shortened first."""
+        while sum(k + 1 for k in plans.values()) > self.max_rows:
+            longest = max(plans, key=plans.get)
+            if plans[longest] == 0:
+                raise ValueError(f"{len(plans)} sequences do not fit a verify of {self.max_rows} rows")
+            plans[longest] -= 1
+
+    def _commit(self, seq: BatchSequence, tokens: list[int], from_draft: list[bool], events) -> None:
+        """Hand out committed tokens (cut at max_tokens, end-of-generation, a stop string) and end the sequence
+        when one of those, or the end of its context, was reached."""
+        model, request = self.ctx.model, seq.request
+        reason = None
+        for token, drafted in zip(tokens, from_draft):
+            seq.tokens.append(token)
+            seq.stats.n_generated += 1
+            piece = seq.text.add(token)
+            events[seq].append(TokenEvent(token=token, text=piece, from_draft=drafted))
+            if seq.text.stopped:
+                reason = "stop"
+            elif request.stop_at_eog and model.is_eog(token):
+                reason = "eog"
+            elif len(seq.tokens) >= request.max_tokens:
+                reason = "max_tokens"
+            if reason:
+                break
+        seq.anchor = seq.tokens[-1]
+        if reason is None and seq.pos >= self.ctx.n_ctx_seq:
+            reason = "n_ctx"
+        if reason is not None:
+            self._finish(seq, reason, events)
+
+    def _finish(self, seq: BatchSequence, reason: str, events) -> None:
+        """End a sequence: its last event carries the result; its KV and the drafter's memory of it are freed."""
+        seq.stats.stop_reason = reason
+        if seq._t_decode0:
+            seq.stats.t_decode = time.perf_counter() - seq._t_decode0
+        tail = seq.text.finish() if reason != "cancelled" else ""
+        seq.result = GenerationResult(seq.text.text, list(seq.tokens), reason, seq.stats)
+        events[seq].append(TokenEvent(token=-1, text=tail, stop_reason=reason, result=seq.result))
+        self.ctx.seq_rm(seq.seq_id)
+        if self.drafter is not None:
+            self.drafter.reset(seq.seq_id)
+        self._slots[seq.seq_id] = None
+
+    def close(self) -> None:
+        self._batch.close()

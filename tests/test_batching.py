@@ -1,0 +1,183 @@
+"""Continuous batching (issue 25): several sequences share every decode, and each one's greedy output is its solo
+plain greedy output, token for token; at T > 0 each sequence's tokens follow the target (chi-square)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyllama_dspark
+from pyllama_dspark import CancelToken, Context, DSparkDrafter, Model, generate, quantize
+from pyllama_dspark.batching import BatchRequest, BatchScheduler
+from pyllama_dspark.sampling import Sampler, SamplingParams
+from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
+
+from test_rejection import (E2E_PROMPT, E2E_TARGET, chi2_critical, exact_conditionals, exact_joint_2_3,
+                            pooled_chi_square)
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = ["The quick brown fox", "Once upon a time " * 24, "Hello", "A B C D E F G", "In a land far away, there",
+           "Numbers: 1 2 3 4 5 6 7 8 9 10 11 12", "Why?"]
+
+
+def spec(arch: str) -> TinySpec:
+    return TinySpec(arch=arch, n_layer=3, vocab="llama-spm")
+
+
+@pytest.fixture(scope="module")
+def quantized_pair(make_pair, tmp_path_factory):
+    cache = {}
+
+    def get(arch: str, qtype: str):
+        if (arch, qtype) not in cache:
+            pair = make_pair(spec(arch))
+            target = pair.target if qtype == "f32" else quantize(
+                pair.target, tmp_path_factory.mktemp("q") / f"{arch}-{qtype}.gguf", qtype)
+            cache[arch, qtype] = (target, pair.drafter)
+        return cache[arch, qtype]
+
+    return get
+
+
+def solo_plain(model, prompts, max_tokens, *, n_ctx, n_batch, stop_at_eog=False):
+    ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_rs_seq=4 if model.is_hybrid else 0)
+    try:
+        return [generate(ctx, p, max_tokens=m, stop_at_eog=stop_at_eog) for p, m in zip(prompts, max_tokens)]
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "f32"), ("qwen3", "f32"), ("qwen35", "f32"), ("llama", "q8_0"),
+                                        ("qwen35", "q4_0")])
+@pytest.mark.parametrize("drafting", ["plain", "dspark-fixed", "dspark-cost-aware"])
+def test_every_sequence_equals_its_solo_plain_greedy_output(quantized_pair, arch, qtype, drafting):
+    """7 prompts of 2 to ~100 tokens (prefilled in chunks of 32), 4 sequences at a time, different max_tokens, so
+    sequences join and leave at different steps; one prompt ends at the end of its context, one is cancelled."""
+    target, drafter_path = quantized_pair(arch, qtype)
+    max_tokens = [40, 25, 33, 8, 40, 17, 29]
+    with Model(target) as model:
+        refs = solo_plain(model, PROMPTS, max_tokens, n_ctx=256, n_batch=32)
+        ctx = Context(model, n_ctx=256 * 4, n_seq_max=4, n_batch=32, n_rs_seq=4 if model.is_hybrid else 0)
+        drafter = None if drafting == "plain" else DSparkDrafter(drafter_path, ctx)
+        scheduler = BatchScheduler(ctx, drafter, n_draft=3 if drafting == "dspark-fixed" else None)
+        tokens = [model.tokenize(p, add_special=True, parse_special=True) for p in PROMPTS]
+        # the last sequence starts near the end of its context: it must stop with "n_ctx" where solo would
+        long = np.concatenate([tokens[1]] * 3)[: ctx.n_ctx_seq - 12]
+        long_ref = solo_plain(model, [long], [40], n_ctx=256, n_batch=32)[0]
+        cancel = CancelToken()
+        handles = [scheduler.submit(BatchRequest(t, m, stop_at_eog=False)) for t, m in zip(tokens, max_tokens)]
+        handles.append(scheduler.submit(BatchRequest(long, 40, stop_at_eog=False)))
+        handles.append(scheduler.submit(BatchRequest(tokens[0], 40, stop_at_eog=False, cancel=cancel)))
+        steps = 0
+        while not all(h.finished for h in handles):
+            scheduler.step()
+            steps += 1
+            if handles[-1].seq_id is not None and len(handles[-1].tokens) >= 5:
+                cancel.cancel()
+        for handle, ref in zip(handles, refs):
+            assert handle.result.tokens == ref.tokens, (PROMPTS[handles.index(handle)], drafting)
+            assert handle.result.stop_reason == "max_tokens"
+        assert handles[-2].result.tokens == long_ref.tokens and handles[-2].result.stop_reason == "n_ctx"
+        cancelled = handles[-1].result
+        assert cancelled.stop_reason == "cancelled" and cancelled.tokens == refs[0].tokens[:len(cancelled.tokens)]
+        assert scheduler.idle and all(ctx.seq_pos_max(i) == -1 for i in range(4))  # every sequence's KV freed
+        if drafting != "plain":
+            assert sum(h.result.stats.rounds for h in handles) > 0
+        scheduler.close()
+        if drafter is not None:
+            drafter.close()
+        ctx.close()
+
+
+def test_generate_batch_equals_generate_and_keeps_order(make_pair):
+    pair = make_pair(spec("llama"))
+    with pyllama_dspark.load(pair.target, drafter=pair.drafter, n_ctx=256, n_batch=32, n_draft=3) as llm:
+        solo = [llm.generate(p, max_tokens=20) for p in PROMPTS]
+        for parallel in (1, 3, 8):
+            batch = llm.generate_batch(PROMPTS, parallel=parallel, max_tokens=20)
+            assert [r.tokens for r in batch] == [r.tokens for r in solo], parallel
+            assert [r.text for r in batch] == [r.text for r in solo]
+        stopped = llm.generate_batch(PROMPTS[:2], max_tokens=20, stop=solo[0].text[3:6])
+        assert stopped[0].stop_reason == "stop" and stopped[0].text == solo[0].text[:solo[0].text.index(
+            solo[0].text[3:6])]
+        assert llm.generate(PROMPTS[0], max_tokens=20).tokens == solo[0].tokens  # the solo path is untouched
+        with pytest.raises(TypeError, match="prompts must be a list"):
+            llm.generate_batch("one prompt")
+        with pytest.raises(ValueError, match="does not fit"):
+            llm.generate_batch(["word " * 400])
+
+
+def test_scheduler_refuses_what_it_cannot_keep_exact(make_pair):
+    pair = make_pair(spec("llama"))
+    with Model(pair.target) as model:
+        ctx = Context(model, n_ctx=256 * 2, n_seq_max=2)
+        with pytest.raises(ValueError, match="max_rows must be <= 64"):
+            BatchScheduler(ctx, max_rows=65)
+        drafter = DSparkDrafter(pair.drafter, ctx, n_seq_max=1)
+        with pytest.raises(ValueError, match="n_seq_max=2"):
+            BatchScheduler(ctx, drafter)
+        drafter.close()
+        with pytest.raises(TypeError, match="several sequences"):
+            BatchScheduler(ctx, pyllama_dspark.PromptLookupDrafter())
+
+
+def test_each_sequence_follows_the_target_at_temperature(model_dir, tmp_path):
+    """3,000 sequences of one prompt, 8 at a time, each with its own seed, drafted 2 tokens per round by a DSpark
+    drafter: generated tokens 2 and 3 follow the target's exact joint distribution."""
+    sampling = dict(temperature=0.8, top_k=3)
+    n_runs = 3000
+    target = tiny_model(E2E_TARGET, cache_dir=model_dir)
+    ck = write_tiny_dspark_checkpoint(tmp_path / "ck", target=E2E_TARGET, block_size=2, dtype="f32",
+                                      target_cache_dir=model_dir)
+    from pyllama_dspark.convert.converter import convert
+
+    drafter_path = convert(ck, tmp_path / "drafter.gguf", outtype="f32", target_gguf=target).path
+    with Model(target) as model:
+        solo = Context(model, n_ctx=64, n_batch=16)
+        expected = exact_joint_2_3(exact_conditionals(solo, E2E_PROMPT, sampling))
+        ctx = Context(model, n_ctx=256 * 8, n_seq_max=8, n_batch=16)
+        drafter = DSparkDrafter(drafter_path, ctx)
+        scheduler = BatchScheduler(ctx, drafter, n_draft=2)
+        results = scheduler.run([BatchRequest(np.array(E2E_PROMPT), 4, Sampler(SamplingParams(seed=i, **sampling)),
+                                              stop_at_eog=False) for i in range(n_runs)])
+        drafter.close()
+    counts: dict = {}
+    for r in results:
+        assert len(r.tokens) == 4
+        counts[tuple(r.tokens[2:])] = counts.get(tuple(r.tokens[2:]), 0) + 1
+    assert sum(r.stats.accepted for r in results) > n_runs // 50  # drafts were accepted at times
+    assert set(counts) <= set(expected), f"pairs the target cannot produce: {sorted(set(counts) - set(expected))}"
+    stat, dof = pooled_chi_square(counts, expected, n_runs)
+    assert stat < chi2_critical(dof), f"tokens 2 and 3 do not follow the target: chi2 {stat:.1f}, {dof} dof"
+
+
+def test_propose_many_drafts_what_propose_drafts_for_each_sequence(make_pair):
+    """One drafter decode for three sequences (different anchors, positions, lengths and histories) gives each the
+    draft a decode of its own gives."""
+    pair = make_pair(spec("llama"))
+    rng = np.random.default_rng(0)
+    with Model(pair.target) as model:
+        ctx = Context(model, n_ctx=256 * 3, n_seq_max=3)
+        drafter = DSparkDrafter(pair.drafter, ctx, kv_type="f32", flash_attn=False)
+        width = drafter.width
+        histories = [rng.normal(size=(n, width)).astype(np.float32) for n in (5, 9, 2)]
+        asks = [(0, 11, 5, 3), (1, 12, 9, 1), (2, 13, 2, 4)]
+        alone = []
+        for (seq, anchor, pos, n_max), rows in zip(asks, histories):
+            drafter.reset()
+            drafter.observe(np.zeros(len(rows), np.int32), rows, 0, seq_id=seq)
+            alone.append(drafter.propose(anchor, pos, n_max, seq_id=seq))
+        drafter.reset()
+        for (seq, *_), rows in zip(asks, histories):
+            drafter.observe(np.zeros(len(rows), np.int32), rows, 0, seq_id=seq)
+        together = drafter.propose_many([(seq, anchor, pos, n_max, None) for seq, anchor, pos, n_max in asks])
+        for a, b, (_, _, _, n_max) in zip(alone, together, asks):
+            assert len(b.tokens) == n_max and list(a.tokens) == list(b.tokens)
+            np.testing.assert_allclose(a.logits, b.logits, rtol=0, atol=1e-4)
+            np.testing.assert_allclose(a.confidence, b.confidence, rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match="one request per sequence"):
+            drafter.propose_many([(0, 1, 5, 2, None), (0, 1, 5, 2, None)])
+        with pytest.raises(ValueError, match="seq_id 3 outside"):
+            drafter.propose(1, 0, 2, seq_id=3)
+        drafter.close()
