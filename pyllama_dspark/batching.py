@@ -320,5 +320,13 @@ class BatchScheduler:
             self.drafter.reset(seq.seq_id)
         self._slots[seq.seq_id] = None
 
+    def reset(self) -> None:
+        """Drop every sequence, running or waiting, and clear the memory (after a failed step)."""
+        self._waiting.clear()
+        self._slots = [None] * self.n_slots
+        self.ctx.clear()
+        if self.drafter is not None:
+            self.drafter.reset()
+
     def close(self) -> None:
         self._batch.close()

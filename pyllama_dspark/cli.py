@@ -170,7 +170,9 @@ def _add_serve_parser(sub, parents: list) -> None:
     key.add_argument("--api-key-file", default=None, help="read the API key from this file's first line")
     serve.add_argument("--max-queue", type=int, default=64,
                        help="most requests waiting for the model; more get 503 with Retry-After (default 64)")
-    serve.add_argument("-np", "--parallel", type=int, default=1, help="requests decoded at once (only 1 for now)")
+    serve.add_argument("-np", "--parallel", type=int, default=1,
+                       help="requests decoded at once, sharing every decode (continuous batching; each output still "
+                            "exactly its solo output); default 1")
     _add_draft_args(serve)
 
 
@@ -559,8 +561,8 @@ def _cmd_train(args) -> int:
 def _cmd_serve(args) -> int:
     from .server import ServeOptions, serve
 
-    if args.parallel != 1:
-        raise ValueError(f"--parallel {args.parallel}: only 1 for now (one request decodes at a time)")
+    if not 1 <= args.parallel <= 64:
+        raise ValueError(f"--parallel must be in [1, 64], got {args.parallel}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     api_key = args.api_key

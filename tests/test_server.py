@@ -430,7 +430,7 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(target, drafter_path,
 
 
 def test_serve_command_refuses_bad_options_in_one_line(target, tmp_path):
-    for args, message in ((["--parallel", "2"], "only 1 for now"), (["-md", str(tmp_path / "no.gguf")], "not found"),
+    for args, message in ((["--parallel", "65"], "--parallel must be in [1, 64]"), (["-md", str(tmp_path / "no.gguf")], "not found"),
                           (["--max-queue", "-1"], "max-queue")):
         run = subprocess.run([sys.executable, "-m", "pyllama_dspark", "serve", "-m", str(target), "--port", "0", *args],
                              capture_output=True, text=True, timeout=120, env={**os.environ})
@@ -456,3 +456,86 @@ def test_shutdown_cancels_a_running_stream_and_closes_the_model(slow_model):
             httpx.get(f"{srv.url}/health", timeout=5)
     finally:
         srv.close()
+
+
+# --- several slots (continuous batching) ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def parallel_server(target, drafter_path):
+    with BackgroundServer(target, drafter=drafter_path, n_ctx=512, parallel=4, load_kwargs={"n_draft": 3}) as srv:
+        yield srv
+
+
+def test_eight_clients_on_four_slots_get_their_single_request_answers(parallel_server, references):
+    text_refs, chat_ref = references
+    server = parallel_server
+    busy = []
+
+    async def one_client(i: int) -> list[tuple[str, str]]:
+        api = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=240)
+        out = []
+        try:
+            for j in range(3):
+                prompt = PROMPTS[(i + j) % len(PROMPTS)]
+                if j == 1:
+                    reply = await api.chat.completions.create(model=model_name(server), messages=MESSAGES,
+                                                              max_tokens=N, temperature=0)
+                    out.append(("chat", reply.choices[0].message.content))
+                elif (i + j) % 2:
+                    chunks = await api.completions.create(model=model_name(server), prompt=prompt, max_tokens=N,
+                                                          temperature=0, stream=True)
+                    out.append((prompt, "".join([c.choices[0].text async for c in chunks])))
+                else:
+                    reply = await api.completions.create(model=model_name(server), prompt=prompt, max_tokens=N,
+                                                         temperature=0)
+                    out.append((prompt, reply.choices[0].text))
+        finally:
+            await api.close()
+        return out
+
+    async def watch(stop: asyncio.Event):
+        async with httpx.AsyncClient() as http:
+            while not stop.is_set():
+                text = (await http.get(f"{server.url}/metrics", timeout=10)).text
+                busy.append(float(re.search(r"^pyllama_dspark:slots_busy (\S+)$", text, re.M).group(1)))
+                await asyncio.sleep(0.005)
+
+    async def main():
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(stop))
+        results = await asyncio.gather(*(one_client(i) for i in range(8)))
+        stop.set()
+        await watcher
+        return results
+
+    results = [pair for batch in asyncio.run(main()) for pair in batch]
+    assert len(results) == 24
+    expected = [chat_ref.text if key == "chat" else text_refs[key].text for key, _ in results]
+    assert [text for _, text in results] == expected
+    assert max(busy) > 1 and max(busy) <= 4  # requests did share the decodes
+    after = metrics(server)
+    assert after["pyllama_dspark:slots_total"] == 4 and after["pyllama_dspark:slots_busy"] == 0
+
+
+def test_disconnects_free_their_slot_at_once(slow_model):
+    with BackgroundServer(slow_model, n_ctx=8192, parallel=3) as srv:
+        body = {"prompt": "Once upon a time", "max_tokens": 8000, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=60) as http:
+            streams = [http.stream("POST", f"{srv.url}/v1/completions", json=body) for _ in range(3)]
+            responses = [s.__enter__() for s in streams]
+            try:
+                lines = [response.iter_lines() for response in responses]  # kept: a dropped one closes its stream
+                for line in lines:
+                    assert next(line).startswith("data: ")
+                assert metrics(srv)["pyllama_dspark:slots_busy"] == 3
+                for stream in streams[:2]:
+                    stream.__exit__(None, None, None)
+                wait_for(lambda: metrics(srv)["pyllama_dspark:slots_busy"] == 1, timeout=30,
+                         what="two slots to be freed")
+                # a new request runs beside the one still streaming
+                reply = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
+                assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+                assert metrics(srv)["pyllama_dspark:slots_busy"] == 1
+            finally:
+                streams[2].__exit__(None, None, None)
+            wait_for(lambda: metrics(srv)["pyllama_dspark:slots_busy"] == 0, timeout=30, what="the last slot")
+            assert metrics(srv)["pyllama_dspark:requests_cancelled_total"] == 3

@@ -80,7 +80,7 @@ def create_app(engine: Engine, config: ServerConfig) -> Starlette:
 
     async def metrics(request: Request) -> Response:
         authorize(request)
-        text = prometheus_text(engine.counters, config.model_id, engine.n_waiting)
+        text = prometheus_text(engine.counters, config.model_id, engine.n_waiting, engine.parallel)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def completions(request: Request, *, chat: bool) -> Response:

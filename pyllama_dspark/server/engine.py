@@ -6,8 +6,9 @@ Requests never call native code on the event loop. Each one becomes a ``Job`` wi
 ``max_tokens`` events) and never holds up the engine. A job's ``CancelToken`` stops its generation at the next
 round, or inside a long prefill through llama.cpp's abort callback; the HTTP layer cancels it when the client goes.
 
-The engine runs ``parallel`` slots' worth of jobs; one for now (the facade has one context). The queue, the
-counters and the mailboxes do not assume one, so several slots (issue 25) change only ``_serve``.
+With ``parallel`` > 1 the engine keeps that many jobs in the LLM's batch scheduler (continuous batching): jobs
+join and leave between steps, and every step is one batched decode for all of them, each job's output still
+exactly what it would be alone.
 """
 
 from __future__ import annotations
@@ -19,8 +20,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
+from .. import checks
+from ..batching import MAX_EXACT_ROWS, BatchRequest
 from ..context import CancelToken
-from ..generate import TokenEvent
+from ..generate import TokenEvent, sampling_params
+from ..sampling import Sampler
 
 
 class QueueFullError(Exception):
@@ -94,12 +100,13 @@ class Engine:
     Args:
         open_llm: called on the engine thread; returns the ``LLM`` (facade) the engine owns and closes.
         max_queue: most jobs waiting for a free slot; more are refused with QueueFullError.
-        parallel: slots; 1 (several come with continuous batching).
+        parallel: slots: 1 runs one job at a time through ``LLM.stream``; more run that many at once, every
+            step one batched decode for all of them (``LLM.batch_scheduler``, continuous batching).
     """
 
     def __init__(self, open_llm: Callable[[], Any], *, max_queue: int = 64, parallel: int = 1):
-        if parallel != 1:
-            raise ValueError(f"parallel must be 1 for now (got {parallel}): one slot per server")
+        if not 1 <= parallel <= MAX_EXACT_ROWS:
+            raise ValueError(f"parallel must be in [1, {MAX_EXACT_ROWS}], got {parallel}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.max_queue, self.parallel = max_queue, parallel
@@ -172,7 +179,7 @@ class Engine:
         self.state = "ready"
         self._ready.set()
         try:
-            self._serve()
+            self._serve() if self.parallel == 1 else self._serve_batched()
         finally:
             self.state = "stopped"
             self.llm.close()
@@ -206,10 +213,78 @@ class Engine:
             for event in self.llm.stream(job.prompt, cancel=job.cancel, **job.sampling):
                 job.post(event)
                 if event.result is not None:
-                    self.counters.add(event.result.stats)
-                    if event.stop_reason == "cancelled":
-                        self.counters.requests_cancelled += 1
-                    else:
-                        self.counters.requests_finished += 1
+                    self._count_finished(event.result)
         except Exception as exc:  # noqa: BLE001 - the request gets it (an error event), the engine goes on
             job.post(exc)
+
+    def _serve_batched(self) -> None:
+        """Up to ``parallel`` jobs at once in the LLM's batch scheduler: admitted between steps, each step one
+        batched decode for all of them, every job's new events posted after it."""
+        scheduler = self.llm.batch_scheduler(self.parallel)
+        jobs: dict[Any, Job] = {}
+        while True:
+            with self._wake:
+                while not self._waiting and scheduler.idle and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    for job in self._waiting:
+                        job.post(EngineUnavailableError("the server is shutting down"))
+                    self._waiting.clear()
+                    if scheduler.idle:
+                        return
+                while self._waiting and len(jobs) < self.parallel:
+                    job = self._waiting.popleft()
+                    if job.cancel.cancelled:  # its client left while it waited
+                        self.counters.requests_cancelled += 1
+                        continue
+                    try:
+                        jobs[scheduler.submit(_batch_request(job))] = job
+                    except (TypeError, ValueError) as exc:
+                        job.post(exc)
+                        continue
+                    self._running.append(job)
+                self.counters.requests_deferred = len(self._waiting)
+                self.counters.requests_processing = len(self._running)
+            if scheduler.idle:
+                continue
+            try:
+                events = scheduler.step()
+            except Exception as exc:  # noqa: BLE001 - a failed decode ends every job in it; the engine goes on
+                for seq, job in list(jobs.items()):
+                    job.post(exc)
+                self._reset_batched(scheduler, jobs)
+                continue
+            for seq, batch in events.items():
+                job = jobs[seq]
+                for event in batch:
+                    job.post(event)
+                if seq.finished:
+                    self._count_finished(seq.result)
+                    del jobs[seq]
+                    with self._wake:
+                        self._running.remove(job)
+                        self.counters.requests_processing = len(self._running)
+
+    def _count_finished(self, result) -> None:
+        self.counters.add(result.stats)
+        if result.stop_reason == "cancelled":
+            self.counters.requests_cancelled += 1
+        else:
+            self.counters.requests_finished += 1
+
+    def _reset_batched(self, scheduler, jobs: dict) -> None:
+        """After a failed step: forget every job and start the scheduler afresh (memory cleared)."""
+        for job in jobs.values():
+            job.cancel.cancel()
+        jobs.clear()
+        with self._wake:
+            self._running.clear()
+            self.counters.requests_processing = 0
+        scheduler.reset()
+
+
+def _batch_request(job: Job) -> BatchRequest:
+    knobs = job.sampling
+    params = sampling_params(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"])
+    return BatchRequest(np.asarray(job.prompt, dtype=np.int64), checks.integer("max_tokens", knobs["max_tokens"]),
+                        Sampler(params), checks.stop_strings(knobs["stop"]), cancel=job.cancel)

@@ -6,7 +6,7 @@ decoding counters (drafts, draft tokens, accepted tokens, accepted tokens per po
 from __future__ import annotations
 
 
-def prometheus_text(counters, model_name: str, n_waiting: int) -> str:
+def prometheus_text(counters, model_name: str, n_waiting: int, n_slots: int) -> str:
     c = counters
     label = f'model_name="{_escape(model_name)}"'
     rows = [
@@ -28,6 +28,8 @@ def prometheus_text(counters, model_name: str, n_waiting: int) -> str:
         ("vllm:spec_decode_num_accepted_tokens_total", "counter", "Number of accepted tokens.", c.accepted_tokens),
     ]
     ours = [
+        ("pyllama_dspark:slots_total", "gauge", "Requests the server decodes at once (--parallel).", n_slots),
+        ("pyllama_dspark:slots_busy", "gauge", "Slots holding a request now.", c.requests_processing),
         ("pyllama_dspark:requests_finished_total", "counter", "Requests whose generation ended normally.",
          c.requests_finished),
         ("pyllama_dspark:requests_cancelled_total", "counter",
