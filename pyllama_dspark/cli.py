@@ -1,4 +1,4 @@
-"""pyllama-dspark command line: generate, chat, bench, info, convert, train, demo, serve.
+"""pyllama-dspark command line: generate, chat, batch, bench, info, convert, train, demo, serve.
 
 Options use llama.cpp's names (``-m -md -p -n -t -c -s -ngl --temp --top-k --top-p --draft-max --draft-min
 --draft-p-min``), with our longer names as aliases; ``--json PATH`` (``-`` = stdout) means the same in every
@@ -124,6 +124,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(bench)
     _add_draft_args(bench)
     _add_json_arg(bench, "the figures")
+
+    batch = sub.add_parser("batch", parents=verbose, allow_abbrev=False,
+                           help="generate for every prompt of a JSONL file, several at a time (continuous batching)",
+                           description="Generate for every line of a JSONL file ({\"prompt\": ...} or "
+                                       "{\"messages\": [...]}, chat-templated), -np at a time sharing every decode; "
+                                       "each output is exactly what generate gives for that prompt alone at "
+                                       "temperature 0. Writes one JSON line per prompt, in file order, to stdout "
+                                       "(index, text, finish_reason, usage) and a summary to stderr.")
+    _add_model_args(batch)
+    batch.add_argument("--prompts", required=True, help='JSONL file: {"prompt": ...} or {"messages": [...]} lines')
+    batch.add_argument("-np", "--parallel", type=int, default=4, help="prompts decoded at once (default 4)")
+    _add_sampling_args(batch)
+    _add_draft_args(batch)
 
     info = sub.add_parser("info", parents=verbose, allow_abbrev=False,
                           help="print a GGUF model's architecture, sizes and key metadata")
@@ -385,6 +398,29 @@ def _cmd_chat(args) -> int:
                     warned = True
 
 
+def _cmd_batch(args) -> int:
+    from .bench import load_prompts
+
+    items = load_prompts(args.prompts)
+    if not 1 <= args.parallel <= 64:
+        raise ValueError(f"--parallel must be in [1, 64], got {args.parallel}")
+    with _loaded(args, Path(args.model), Path(args.drafter) if args.drafter else None) as llm:
+        prompts = [item["prompt"] if "prompt" in item else llm.model.apply_chat_template(item["messages"])
+                   for item in items]
+        t0 = time.perf_counter()
+        results = llm.generate_batch(prompts, parallel=args.parallel, **_sampling(args))
+        wall = time.perf_counter() - t0
+    for i, result in enumerate(results):
+        usage = {"prompt_tokens": result.n_prompt, "completion_tokens": len(result.tokens),
+                 "total_tokens": result.n_prompt + len(result.tokens)}
+        print(json.dumps({"index": i, "text": result.text, "finish_reason": result.finish_reason, "usage": usage},
+                         ensure_ascii=False))
+    generated = sum(len(r.tokens) for r in results)
+    _say(f"{len(results)} prompts, {generated} tokens in {wall:.2f} s: {generated / wall if wall else 0:.1f} tok/s "
+         f"with {args.parallel} at a time")
+    return 0
+
+
 def _cmd_bench(args) -> int:
     from .bench import BenchSummary, load_prompts, run_bench
     from .model import Model
@@ -603,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_chat(args)
         if args.command == "bench":
             return _cmd_bench(args)
+        if args.command == "batch":
+            return _cmd_batch(args)
         if args.command == "info":
             return _cmd_info(args)
         if args.command == "convert":

@@ -161,3 +161,20 @@ def test_bench_server_small(tmp_path, make_pair):
             assert figures["requests"] == 5 and 0 < figures["generated_tokens"] <= 40
             assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"] and figures["latency_p50_s"] <= figures["latency_p99_s"]
         assert run["plain"]["draft_tokens"] == 0
+
+
+def test_bench_batching_small(tmp_path, make_pair):
+    from pyllama_dspark.testing import TinySpec
+
+    pair = make_pair(TinySpec(arch="llama", n_layer=3, vocab="llama-spm", chat_template="chatml"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"story {i} about a cat"}) + "\n" for i in range(5)))
+    result = run_script("bench_batching.py", "--model", str(pair.target), "--drafter", str(pair.drafter), "--prompts",
+                        str(prompts), "--concurrency", "1", "3", "--max-tokens", "8", "-c", "256", tmp_path=tmp_path)
+    assert result["identical"] and set(result["modes"]) == {"plain", "dspark"}
+    for entry in result["modes"].values():
+        assert entry["one_after_another"]["generated_tokens"] == 40
+        for run in entry["batched"].values():
+            assert run["identical"] and run["generated_tokens"] == 40 and run["aggregate_tok_s"] > 0
+            assert run["latency_p50_s"] <= run["latency_p99_s"] <= run["wall_s"] + 1e-9
+    assert set(result["dspark_over_plain"]) == {"1", "3"}
