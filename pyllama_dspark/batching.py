@@ -54,6 +54,7 @@ class BatchRequest:
     stop: list[str] = field(default_factory=list)
     stop_at_eog: bool = True
     cancel: CancelToken | None = None
+    stop_tokens: frozenset[int] = frozenset()  # ids that end the generation (kept), besides end-of-generation
 
 
 class BatchSequence:
@@ -93,12 +94,18 @@ class BatchScheduler:
             decoding, batched.
         n_draft: drafts per round per sequence; None: cost-aware per sequence.
         max_rows: most rows in one verify decode (at most 64, where the exact mode holds).
+        on_rows: called as ``on_rows(sequence, capture_rows, logit_rows)`` with what each decode gave a sequence:
+            the capture rows (dense, when the context captures) of the positions it decoded and keeps (a prompt
+            chunk's, or the anchor and accepted drafts of a round), and the logit rows its committed tokens were
+            sampled from (None for a prompt chunk that is not the last). Views: copy what you keep. The drafter
+            training data generator records its features and teacher probabilities this way.
 
     Raises:
         TypeError, ValueError: a bad argument (a drafter with too few sequences, max_rows outside [1, 64]).
     """
 
-    def __init__(self, ctx: Context, drafter=None, *, n_draft: int | None = None, max_rows: int = MAX_EXACT_ROWS):
+    def __init__(self, ctx: Context, drafter=None, *, n_draft: int | None = None, max_rows: int = MAX_EXACT_ROWS,
+                 on_rows=None):
         checks.instance("ctx", ctx, Context)
         max_rows = checks.integer("max_rows", max_rows, minimum=1)
         if max_rows > MAX_EXACT_ROWS:
@@ -123,7 +130,8 @@ class BatchScheduler:
         else:
             self.n_draft = 0
         self.cost_aware = drafter is not None and n_draft is None
-        self.ctx, self.drafter, self.max_rows = ctx, drafter, max_rows
+        self.ctx, self.drafter, self.max_rows, self.on_rows = ctx, drafter, max_rows, on_rows
+        self._capturing = bool(ctx.capture_layers)
         self._batch = Batch(max(ctx.n_batch, max_rows), n_seq_max=self.n_slots)
         self._waiting: collections.deque[BatchSequence] = collections.deque()
         self._slots: list[BatchSequence | None] = [None] * self.n_slots
@@ -210,14 +218,18 @@ class BatchScheduler:
         except DecodeAbortedError:
             self._finish(seq, "cancelled", events)
             return
+        rows = self.ctx.capture() if self._capturing else None
         if self.drafter is not None:
-            self.drafter.observe(chunk, self.ctx.capture().copy(), start, seq_id=seq.seq_id)
+            self.drafter.observe(chunk, rows, start, seq_id=seq.seq_id)
+        if self.on_rows is not None:
+            self.on_rows(seq, rows, None)
         seq.stats.t_prefill += time.perf_counter() - t0
         seq.prefilled += len(chunk)
         if last:
             seq.pos = len(tokens)
             seq._t_decode0 = time.perf_counter()
-            self._commit(seq, [seq.request.sampler(self.ctx.logits(-1))], [False], events)
+            logits = self.ctx.logits(-1)
+            self._commit(seq, [seq.request.sampler(logits)], [False], events, logits=logits[None])
 
     def _round(self, decoding: list[BatchSequence], events) -> None:
         n_ctx = self.ctx.n_ctx_seq
@@ -252,7 +264,7 @@ class BatchScheduler:
         t1 = time.perf_counter()
         self.ctx.decode(self._batch)
         logits = self.ctx.all_logits()
-        features = self.ctx.capture() if self.drafter is not None else None
+        features = self.ctx.capture() if self._capturing else None
         n_rows = self._batch.n_tokens
         t_verify = time.perf_counter() - t1
         from .speculative import Speculator  # the accept rule of the single-sequence loop, shared
@@ -263,9 +275,10 @@ class BatchScheduler:
             n, token = Speculator._accept(drafts_k, draft, logits[start:start + k + 1], seq.request.sampler)
             if n < k:
                 self.ctx.seq_rm(seq.seq_id, seq.pos + n + 1, -1)
-            if features is not None:
+            rows = None if features is None else features[start:start + n + 1]
+            if self.drafter is not None:
                 committed_rows = np.concatenate([[seq.anchor], drafts_k[:n]]).astype(np.int32)
-                self.drafter.observe(committed_rows, features[start:start + n + 1], seq.pos, seq_id=seq.seq_id)
+                self.drafter.observe(committed_rows, rows, seq.pos, seq_id=seq.seq_id)
             share_draft = t_draft * len(draft.tokens) / n_drafted_all
             share_verify = t_verify * (k + 1) / n_rows
             seq.stats.observe_round(k, n, source="dspark" if len(draft.tokens) else "", t_draft=share_draft)
@@ -273,7 +286,8 @@ class BatchScheduler:
             if seq.chooser is not None:
                 seq.chooser.observe_round(k, n, share_draft, share_verify, k_drafted=len(draft.tokens))
             seq.pos += n + 1
-            self._commit(seq, [int(t) for t in drafts_k[:n]] + [token], [True] * n + [False], events)
+            self._commit(seq, [int(t) for t in drafts_k[:n]] + [token], [True] * n + [False], events, rows=rows,
+                         logits=logits[start:start + n + 1])
 
     def _fit_rows(self, plans: dict) -> None:
         """Fewer drafts where the batch would exceed max_rows: the longest drafts are shortened first."""
@@ -283,17 +297,21 @@ class BatchScheduler:
                 raise ValueError(f"{len(plans)} sequences do not fit a verify of {self.max_rows} rows")
             plans[longest] -= 1
 
-    def _commit(self, seq: BatchSequence, tokens: list[int], from_draft: list[bool], events) -> None:
-        """Hand out committed tokens (cut at max_tokens, end-of-generation, a stop string) and end the sequence
-        when one of those, or the end of its context, was reached."""
+    def _commit(self, seq: BatchSequence, tokens: list[int], from_draft: list[bool], events, *, rows=None,
+                logits=None) -> None:
+        """Hand out committed tokens (cut at max_tokens, end-of-generation, a stop token or string) and end the
+        sequence when one of those, or the end of its context, was reached. ``rows``/``logits``: the capture rows
+        of the decoded positions and the logit rows the tokens came from, for ``on_rows`` (cut like the tokens)."""
         model, request = self.ctx.model, seq.request
         reason = None
+        kept = 0
         for token, drafted in zip(tokens, from_draft):
             seq.tokens.append(token)
             seq.stats.n_generated += 1
+            kept += 1
             piece = seq.text.add(token)
             events[seq].append(TokenEvent(token=token, text=piece, from_draft=drafted))
-            if seq.text.stopped:
+            if seq.text.stopped or token in request.stop_tokens:
                 reason = "stop"
             elif request.stop_at_eog and model.is_eog(token):
                 reason = "eog"
@@ -301,6 +319,8 @@ class BatchScheduler:
                 reason = "max_tokens"
             if reason:
                 break
+        if self.on_rows is not None:
+            self.on_rows(seq, None if rows is None else rows[:kept], None if logits is None else logits[:kept])
         seq.anchor = seq.tokens[-1]
         if reason is None and seq.pos >= self.ctx.n_ctx_seq:
             reason = "n_ctx"

@@ -181,3 +181,30 @@ def test_propose_many_drafts_what_propose_drafts_for_each_sequence(make_pair):
         with pytest.raises(ValueError, match="seq_id 3 outside"):
             drafter.propose(1, 0, 2, seq_id=3)
         drafter.close()
+
+
+def test_the_training_data_generator_runs_on_the_scheduler_and_matches_solo_runs(make_pair):
+    """``train``'s data generator (continue_side_by_side) batches through the scheduler: each continuation is the
+    prompt's solo greedy output, and its f16 capture rows and teacher top-k are those of a run of that prompt alone."""
+    from pyllama_dspark.train.data import continue_side_by_side
+
+    with Model(make_pair(spec("llama")).target) as model:
+        prompts = [model.tokenize(p, add_special=True, parse_special=True).tolist() for p in PROMPTS[:5]]
+        solo = solo_plain(model, PROMPTS[:5], [12] * 5, n_ctx=256, n_batch=512, stop_at_eog=True)
+
+        def run(group):
+            ctx = Context(model, n_ctx=256 * len(group), n_seq_max=len(group), n_batch=512)
+            ctx.set_capture_layers([0, 2], masked=False)
+            try:
+                return continue_side_by_side(ctx, group, [Sampler() for _ in group], 12, capture=True,
+                                             teacher_top_k=4, stop_tokens=[])
+            finally:
+                ctx.close()
+
+        together = run(prompts)
+        for prompt, ref, out in zip(prompts, solo, together):
+            alone = run([prompt])[0]
+            assert out.tokens == prompt + ref.tokens == alone.tokens
+            assert out.rows.shape == (len(out.tokens) - 1, 2 * model.n_embd) and np.array_equal(out.rows, alone.rows)
+            assert np.array_equal(out.top_ids, alone.top_ids) and len(out.top_ids) == len(ref.tokens)
+            assert out.top_ids[:, 0].tolist() == ref.tokens  # greedy: each token is its row's most likely one

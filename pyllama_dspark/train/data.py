@@ -23,7 +23,6 @@ from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from ..batch import Batch
 from ..bench import load_prompts
 from ..context import Context
 from ..model import Model
@@ -247,8 +246,9 @@ def continue_side_by_side(ctx: Context, prompts: Sequence[Sequence[int]], sample
                           n_predict: int, *, capture: bool = False, teacher_top_k: int = 0,
                           stop_tokens: Sequence[int] = (),
                           progress: Callable[[int], None] | None = None) -> list[Continuation]:
-    """Continue each prompt with its own sampler, one sequence per prompt in one context (sequence i in the
-    context's sequence i), so every decode carries one token of each still active sequence.
+    """Continue each prompt with its own sampler in one context of at least ``len(prompts)`` sequences (at most
+    64), through the continuous-batching scheduler: every decode carries one token of each generating sequence,
+    and each continuation is exactly what the prompt alone would give.
 
     A sequence ends after ``n_predict`` tokens, at an end-of-generation token or at one of ``stop_tokens``
     (the ending token is kept). With ``capture`` the context's f16 capture rows of positions 0..L-2 come back
@@ -256,61 +256,36 @@ def continue_side_by_side(ctx: Context, prompts: Sequence[Sequence[int]], sample
     probabilities at every position whose next token it generated. ``progress(n)`` is told the tokens each
     decode round added.
     """
-    model = ctx.model
-    ctx.clear()
-    stops = {int(t) for t in stop_tokens}
-    rows: list[list[np.ndarray]] = [[] for _ in prompts]
-    tops: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in prompts]
+    from ..batching import BatchRequest, BatchScheduler
 
-    def sample(seq: int, logits: np.ndarray) -> int:
-        if teacher_top_k:
-            tops[seq].append(top_k_probabilities(logits, teacher_top_k))
-        return samplers[seq](logits)
-    tokens = [list(p) for p in prompts]
-    pending: list[int] = []
-    batch = Batch(max(ctx.n_batch, len(prompts)), n_seq_max=1)
+    rows: dict = {}
+    tops: dict = {}
+
+    def on_rows(seq, captured, logits) -> None:
+        if capture and captured is not None and len(captured):
+            rows.setdefault(seq, []).append(captured.astype(np.float16))
+        if teacher_top_k and logits is not None:
+            tops.setdefault(seq, []).extend(top_k_probabilities(row, teacher_top_k) for row in logits)
+
+    scheduler = BatchScheduler(ctx, on_rows=on_rows)
+    stops = frozenset(int(t) for t in stop_tokens)
     try:
-        for seq, prompt in enumerate(prompts):
-            step = ctx.n_batch
-            for s in range(0, len(prompt), step):
-                batch.clear()
-                last = s + step >= len(prompt)
-                batch.add_tokens(prompt[s:s + step], s, seq_id=seq, logits="last" if last else "none")
-                ctx.decode(batch)
-                if capture:
-                    rows[seq].append(ctx.capture().astype(np.float16))
-            pending.append(sample(seq, ctx.logits(-1)))
-        active = list(range(len(prompts)))
-        generated = [0] * len(prompts)
-        while active:
-            still = []
-            for seq in active:  # take the sampled token; stop or keep decoding
-                token = pending[seq]
-                tokens[seq].append(token)
-                generated[seq] += 1
-                if generated[seq] < n_predict and not model.is_eog(token) and token not in stops:
-                    still.append(seq)
+        handles = [scheduler.submit(BatchRequest(np.asarray(prompt, dtype=np.int64), n_predict, sampler,
+                                                 stop_tokens=stops))
+                   for prompt, sampler in zip(prompts, samplers)]
+        while not scheduler.idle:
+            events = scheduler.step()
             if progress is not None:
-                progress(len(active))
-            active = still
-            if not active:
-                break
-            batch.clear()
-            for seq in active:
-                batch.add(tokens[seq][-1], len(tokens[seq]) - 1, seq_id=seq, logits=True)
-            ctx.decode(batch)
-            captured = ctx.capture() if capture else None
-            for j, seq in enumerate(active):
-                if capture:
-                    rows[seq].append(captured[j:j + 1].astype(np.float16))
-                pending[seq] = sample(seq, ctx.logits(j))
+                progress(sum(1 for batch in events.values() for event in batch if event.token >= 0))
     finally:
-        batch.close()
+        scheduler.close()
     out = []
-    for seq in range(len(prompts)):
-        top_ids = np.stack([t[0] for t in tops[seq]]) if teacher_top_k else None
-        top_p = np.stack([t[1] for t in tops[seq]]) if teacher_top_k else None
-        out.append(Continuation(tokens[seq], np.concatenate(rows[seq]) if capture else None, top_ids, top_p))
+    for prompt, handle in zip(prompts, handles):
+        seq_tops = tops.get(handle, [])
+        top_ids = np.stack([t[0] for t in seq_tops]) if teacher_top_k else None
+        top_p = np.stack([t[1] for t in seq_tops]) if teacher_top_k else None
+        out.append(Continuation(list(prompt) + handle.result.tokens,
+                                np.concatenate(rows[handle]) if capture else None, top_ids, top_p))
     return out
 
 
