@@ -8,7 +8,8 @@ requests, generated tokens, throughput (generated tokens per second of wall time
 p50/p99 total latency, and the drafter's figures from ``/metrics``; then the ratio with/without the drafter, and
 whether both servers gave the same text for every prompt (they must, at temperature 0). ``--json`` writes it all.
 
-    python scripts/bench_server.py --clients 4 --json benchmarks/server-smollm2-cpu.json
+    python scripts/bench_server.py --clients 1 4 --json benchmarks/server-smollm2-cpu.json
+    python scripts/bench_server.py --clients 4 8 --parallel 4 --json benchmarks/server-parallel4-smollm2-cpu.json
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_server(model: str, drafter: str | None, n_threads: int, n_ctx: int) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, drafter: str | None, n_threads: int, n_ctx: int,
+                 parallel: int = 1) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pyllama_dspark", "serve", "-m", model, "--port", "0", "-t", str(n_threads),
-           "-c", str(n_ctx), "--max-queue", "1024"] + (["-md", drafter] if drafter else [])
+           "-c", str(n_ctx), "--max-queue", "1024", "--parallel", str(parallel)] + (["-md", drafter] if drafter else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     line = proc.stderr.readline()
     found = re.search(r"(http://[^\s]+?)/v1", line)
@@ -138,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default 128)")
     parser.add_argument("-t", "--n-threads", type=int, default=2, help="server threads (default 2)")
     parser.add_argument("-c", "--n-ctx", type=int, default=2048)
+    parser.add_argument("-np", "--parallel", type=int, default=1,
+                        help="the server's --parallel: requests decoded at once (default 1)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
@@ -149,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         drafter = drafter or str(bundled.drafter_path())
     prompts = load_messages(args.prompts, args.n_prompts)
     report = {"model": Path(model).name, "drafter": Path(drafter).name, "max_tokens": args.max_tokens,
-              "n_threads": args.n_threads, "prompts": len(prompts), "cpu": cpu_name(), "runs": []}
+              "n_threads": args.n_threads, "parallel": args.parallel, "prompts": len(prompts), "cpu": cpu_name(), "runs": []}
     for n_clients in args.clients:
         run = {"clients": n_clients}
         texts = {}
         for name, which in (("plain", None), ("dspark", drafter)):
-            proc, url = start_server(model, which, args.n_threads, args.n_ctx)
+            proc, url = start_server(model, which, args.n_threads, args.n_ctx, args.parallel)
             try:
                 results, wall = asyncio.run(run_clients(url, prompts, n_clients, args.max_tokens))
                 run[name] = summarise(results, wall, scrape(url))
