@@ -29,7 +29,8 @@ class GenerationResult:
         text: the generated text (prompt excluded; cut before a stop string).
         tokens: generated token ids.
         stop_reason: "eog" (end-of-generation token), "stop" (a stop string), "max_tokens", "n_ctx"
-            (context full) or "cancelled" (a ``CancelToken``). ``finish_reason`` gives it in OpenAI's terms ("stop" or "length").
+            (context full) or "cancelled" (a ``CancelToken``). ``finish_reason`` gives it in OpenAI's terms
+            ("stop" or "length").
         stats: ``SpecStats`` (prompt and generated counts, timings; drafting figures stay 0 for plain decoding).
     """
 

@@ -9,7 +9,8 @@ end), and the ratio to serving them one after another with ``LLM.generate`` (the
 checked against the one-after-another output (they must be equal at temperature 0). ``--json`` and ``--plot``
 write the figures.
 
-    python scripts/bench_batching.py --json benchmarks/batching-smollm2-cpu.json --plot benchmarks/batching-smollm2-cpu.png
+    python scripts/bench_batching.py --json benchmarks/batching-smollm2-cpu.json \
+        --plot benchmarks/batching-smollm2-cpu.png
 """
 from __future__ import annotations
 

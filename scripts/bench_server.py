@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -29,6 +28,8 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_smollm2 import cpu_name  # noqa: E402
 
 
 def start_server(model: str, drafter: str | None, n_threads: int, n_ctx: int,
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         drafter = drafter or str(bundled.drafter_path())
     prompts = load_messages(args.prompts, args.n_prompts)
     report = {"model": Path(model).name, "drafter": Path(drafter).name, "max_tokens": args.max_tokens,
-              "n_threads": args.n_threads, "parallel": args.parallel, "prompts": len(prompts), "cpu": cpu_name(), "runs": []}
+              "n_threads": args.n_threads, "parallel": args.parallel, "prompts": len(prompts), "cpu": cpu_name(),
+              "runs": []}
     for n_clients in args.clients:
         run = {"clients": n_clients}
         texts = {}
@@ -181,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def load_messages(path: str | None, n: int) -> list[list[dict]]:
+    """The first n prompts as message lists: from a JSONL file, or the held-out chat prompts of bench_smollm2."""
     if path is None:
-        sys.path.insert(0, str(ROOT / "scripts"))
         from bench_smollm2 import held_out_prompts
 
         items = held_out_prompts(n)
@@ -192,16 +194,6 @@ def load_messages(path: str | None, n: int) -> list[list[dict]]:
         items = load_prompts(path)
     return [item["messages"] if "messages" in item else [{"role": "user", "content": item["prompt"]}]
             for item in items[:n]]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -430,8 +430,8 @@ def test_serve_command_starts_answers_and_stops_on_sigterm(target, drafter_path,
 
 
 def test_serve_command_refuses_bad_options_in_one_line(target, tmp_path):
-    for args, message in ((["--parallel", "65"], "--parallel must be in [1, 64]"), (["-md", str(tmp_path / "no.gguf")], "not found"),
-                          (["--max-queue", "-1"], "max-queue")):
+    for args, message in ((["--parallel", "65"], "--parallel must be in [1, 64]"),
+                          (["-md", str(tmp_path / "no.gguf")], "not found"), (["--max-queue", "-1"], "max-queue")):
         run = subprocess.run([sys.executable, "-m", "pyllama_dspark", "serve", "-m", str(target), "--port", "0", *args],
                              capture_output=True, text=True, timeout=120, env={**os.environ})
         assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
