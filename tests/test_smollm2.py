@@ -62,6 +62,6 @@ def test_the_bundled_drafter_predicts_the_target():
     assert proc.returncode == 0, proc.stderr
     assert "identical    = yes" in proc.stderr
     tau = float(re.search(r"^tau\s+= ([\d.]+)", proc.stderr, re.M).group(1))
-    # measured 1.58 on this prompt with the drafter of issue 23 (held-out mean 1.63; the previous drafter 1.34 and
-    # 1.47); untrained ~1.0
-    assert tau > 1.4, proc.stderr
+    # measured 1.75 on this prompt with the drafter trained on 787k generated tokens (held-out mean 1.71; the ones
+    # before 1.58, 1.34 and 1.47); untrained ~1.0. Fixed k and greedy: the figure does not depend on timing.
+    assert tau > 1.6, proc.stderr
