@@ -115,7 +115,8 @@ class LLM:
             raise
 
     # --- generation ---------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], *, cancel: CancelToken | None = None, **kwargs) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int], *, cancel: CancelToken | None = None,
+                 **kwargs) -> GenerationResult:
         """Generate from a text or token-id prompt. Keyword arguments as ``pyllama_dspark.generate``
         (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_at_eog``...).
 
@@ -202,7 +203,11 @@ class LLM:
             tokens = prompt_tokens(scheduler.ctx, prompt, add_special=add_special)
             params = sampling_params(temperature, top_k, top_p, None if seed is None else seed + i)
             requests.append(BatchRequest(tokens, max_tokens, Sampler(params), stop, stop_at_eog=stop_at_eog))
-        return scheduler.run(requests)
+        try:
+            return scheduler.run(requests)
+        except BaseException:  # an interrupt or a failed decode: the next call starts from an empty scheduler
+            scheduler.reset()
+            raise
 
     def batch_scheduler(self, parallel: int) -> BatchScheduler:
         """The ``BatchScheduler`` behind ``generate_batch`` and ``serve --parallel``: a second Context on this

@@ -125,7 +125,7 @@ def test_scheduler_refuses_what_it_cannot_keep_exact(make_pair):
 
 
 @pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
-                    reason="3,000 sequences through the same native paths as the greedy tests: the main CI job runs it; "
+                    reason="3,000 sequences through the native paths of the greedy tests: the main CI job runs it; "
                            "under AddressSanitizer it would take minutes for no new coverage")
 def test_each_sequence_follows_the_target_at_temperature(model_dir, tmp_path):
     """3,000 sequences of one prompt, 8 at a time, each with its own seed, drafted 2 tokens per round by a DSpark

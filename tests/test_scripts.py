@@ -106,7 +106,8 @@ def test_make_varied_prompts_small(tmp_path, make_model):
 
 
 def test_bench_draft_vocab_small(tmp_path, make_pair):
-    pytest.importorskip("torch", reason="train --data-only needs PyTorch: pip install torch==2.13.0 && pip install '.[train]'")
+    pytest.importorskip("torch",
+                        reason="train --data-only needs PyTorch: pip install torch==2.13.0 && pip install '.[train]'")
     from pyllama_dspark.testing import TinySpec
 
     pair = make_pair(TinySpec(arch="llama", n_layer=3, vocab="llama-spm"))
@@ -159,7 +160,8 @@ def test_bench_server_small(tmp_path, make_pair):
         for name in ("plain", "dspark"):
             figures = run[name]
             assert figures["requests"] == 5 and 0 < figures["generated_tokens"] <= 40
-            assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"] and figures["latency_p50_s"] <= figures["latency_p99_s"]
+            assert 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"]
+            assert figures["latency_p50_s"] <= figures["latency_p99_s"]
         assert run["plain"]["draft_tokens"] == 0
 
 
