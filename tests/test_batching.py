@@ -213,3 +213,24 @@ def test_the_training_data_generator_runs_on_the_scheduler_and_matches_solo_runs
             assert out.rows.shape == (len(out.tokens) - 1, 2 * model.n_embd) and np.array_equal(out.rows, alone.rows)
             assert np.array_equal(out.top_ids, alone.top_ids) and len(out.top_ids) == len(ref.tokens)
             assert out.top_ids[:, 0].tolist() == ref.tokens  # greedy: each token is its row's most likely one
+
+
+def test_generate_batch_after_an_interrupted_run_starts_clean(make_pair, monkeypatch):
+    pair = make_pair(spec("llama"))
+    with pyllama_dspark.load(pair.target, drafter=pair.drafter, n_ctx=256, n_draft=2) as llm:
+        reference = [r.tokens for r in llm.generate_batch(PROMPTS[:3], parallel=2, max_tokens=10)]
+        scheduler = llm.batch_scheduler(2)
+        real_step, calls = scheduler.step, []
+
+        def interrupted():
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real_step()
+
+        monkeypatch.setattr(scheduler, "step", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate_batch(PROMPTS[:3], parallel=2, max_tokens=10)
+        monkeypatch.undo()
+        assert scheduler.idle
+        assert [r.tokens for r in llm.generate_batch(PROMPTS[:3], parallel=2, max_tokens=10)] == reference
