@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +36,8 @@ def start_server(model: str, drafter: str | None, n_threads: int, n_ctx: int,
                  parallel: int = 1) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pyllama_dspark", "serve", "-m", model, "--port", "0", "-t", str(n_threads),
            "-c", str(n_ctx), "--max-queue", "1024", "--parallel", str(parallel)] + (["-md", drafter] if drafter else [])
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    # not in the working directory: `python -m` would import a source tree there instead of the installed package
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
     line = proc.stderr.readline()
     found = re.search(r"(http://[^\s]+?)/v1", line)
     if not found:

@@ -408,11 +408,13 @@ def test_health_is_503_while_loading(target):
 
 # --- the command ------------------------------------------------------------------------------------------------
 def test_serve_command_starts_answers_and_stops_on_sigterm(target, drafter_path, tmp_path):
+    # cwd=tmp_path here and below: `python -m` puts the working directory first on sys.path, and a source tree there
+    # has no compiled part
     key_file = tmp_path / "key"
     key_file.write_text("k3y\n")
     proc = subprocess.Popen([sys.executable, "-m", "pyllama_dspark", "serve", "-m", str(target), "-md",
                              str(drafter_path), "--port", "0", "-c", "256", "-t", "2", "--api-key-file", str(key_file),
-                             "--alias", "tiny-pair"], stderr=subprocess.PIPE, text=True)
+                             "--alias", "tiny-pair"], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     try:
         line = proc.stderr.readline()
         url = re.search(r"(http://127\.0\.0\.1:\d+)/v1", line).group(1)
@@ -436,7 +438,7 @@ def test_serve_command_refuses_bad_options_in_one_line(target, tmp_path):
     for args, message in ((["--parallel", "65"], "--parallel must be in [1, 64]"),
                           (["-md", str(tmp_path / "no.gguf")], "not found"), (["--max-queue", "-1"], "max-queue")):
         run = subprocess.run([sys.executable, "-m", "pyllama_dspark", "serve", "-m", str(target), "--port", "0", *args],
-                             capture_output=True, text=True, timeout=120, env={**os.environ})
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert run.returncode == 1 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
