@@ -127,7 +127,8 @@ def test_readme_server_examples_run(workdir):
     try:
         assert f"127.0.0.1:{port}/v1" in server.stderr.readline()
         deadline = time.monotonic() + 120
-        while subprocess.run(f"curl -sf http://127.0.0.1:{port}/health", shell=True, capture_output=True).returncode:
+        while subprocess.run(f"curl -sf --max-time 5 http://127.0.0.1:{port}/health", shell=True,
+                             capture_output=True).returncode:
             assert time.monotonic() < deadline and server.poll() is None, "the server did not become healthy"
             time.sleep(0.05)
         reply = subprocess.run(curl.replace("8080", port), shell=True, cwd=workdir, capture_output=True, text=True,

@@ -84,10 +84,15 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _uvicorn_server(app, engine, log_level: str):
+def _uvicorn_server(app, engine, log_level: str, on_started=None):
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if on_started is not None and self.started:  # announced once connections are served, not before
+                on_started()
+
         def handle_exit(self, sig, frame) -> None:
             # cancel the running and waiting generations first: uvicorn waits for open responses before it
             # runs the app's shutdown, and a streaming one would otherwise run to its end
@@ -98,16 +103,15 @@ def _uvicorn_server(app, engine, log_level: str):
 
 
 def serve(options: ServeOptions, *, log_level: str = "warning", on_listen=None) -> None:
-    """Run the server until SIGINT/SIGTERM; ``on_listen(url)`` is called once the socket listens."""
+    """Run the server until SIGINT/SIGTERM; ``on_listen(url)`` is called once it serves connections."""
     app, engine = build(options)
     try:
         sock = bind(options.host, options.port)
     except BaseException:
         engine.stop()
         raise
-    server = _uvicorn_server(app, engine, log_level)
-    if on_listen is not None:
-        on_listen(_url(sock))
+    url = _url(sock)
+    server = _uvicorn_server(app, engine, log_level, on_started=None if on_listen is None else lambda: on_listen(url))
     try:
         server.run(sockets=[sock])
     finally:
