@@ -29,6 +29,7 @@ from .errors import (  # noqa: E402
     LlamaError,
     MemoryOpError,
     ModelLoadError,
+    RpcError,
     UnsupportedModeError,
 )
 from .draft_length import DraftLengthChooser  # noqa: E402
@@ -48,5 +49,5 @@ __all__ = [
     "Sampler", "SamplingParams", "build_info",
     "LlamaError", "ModelLoadError", "ContextInitError", "DecodeError", "KvCacheFullError",
     "DecodeAbortedError", "InvalidBatchError", "FatalDecodeError", "MemoryOpError", "CaptureError",
-    "ContextBusyError", "ClosedHandleError", "LibraryMismatchError", "UnsupportedModeError",
+    "ContextBusyError", "ClosedHandleError", "LibraryMismatchError", "UnsupportedModeError", "RpcError",
 ]

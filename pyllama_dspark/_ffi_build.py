@@ -29,6 +29,7 @@ bool pyllama_cancel_requested(void * flag);
 
 PREAMBLE = """
 #include "ggml-cpu.h"
+#include "ggml-rpc.h"
 #include "llama.h"
 #include "llama-dspark.h"
 

@@ -10,6 +10,7 @@ llama.cpp logged before failing.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 
 logger = logging.getLogger("pyllama_dspark.native")
@@ -22,6 +23,7 @@ _TO_PYTHON = {_NATIVE_DEBUG: logging.DEBUG, _NATIVE_INFO: logging.DEBUG, 3: logg
 
 _recent: collections.deque[str] = collections.deque(maxlen=64)
 _state = {"partial": "", "level": _NATIVE_INFO}
+_collectors: list[list[str]] = []
 
 
 def _emit(native_level: int, line: str) -> None:
@@ -30,6 +32,8 @@ def _emit(native_level: int, line: str) -> None:
         return
     if native_level != _NATIVE_DEBUG:
         _recent.append(line)
+        for lines in _collectors:
+            lines.append(line)
     logger.log(_TO_PYTHON.get(native_level, logging.DEBUG), "%s", line)
 
 
@@ -40,6 +44,17 @@ def on_native_log(native_level: int, text: str) -> None:
     *lines, _state["partial"] = (_state["partial"] + text).split("\n")
     for line in lines:
         _emit(_state["level"], line)
+
+
+@contextlib.contextmanager
+def collect():
+    """Every INFO/WARN/ERROR line logged inside the block (a list, filled as they arrive)."""
+    lines: list[str] = []
+    _collectors.append(lines)
+    try:
+        yield lines
+    finally:
+        _collectors.remove(lines)
 
 
 def tail(n: int = 16) -> list[str]:

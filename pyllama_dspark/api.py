@@ -35,7 +35,8 @@ from .stats import SpecStats
 
 def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str] | Any | None = None, *,
          n_ctx: int = 4096, n_threads: int | None = None, n_draft: int | None = None, n_draft_min: int = 0,
-         p_min: float = 0.0, prompt_lookup: bool = False, n_gpu_layers: int = 0, **context_kwargs) -> LLM:
+         p_min: float = 0.0, prompt_lookup: bool = False, n_gpu_layers: int | None = None,
+         rpc_servers: Sequence[str] = (), tensor_split: Sequence[float] | None = None, **context_kwargs) -> LLM:
     """Load a target model (and optionally a DSpark drafter) ready to generate.
 
     Args:
@@ -51,7 +52,9 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
             each round from prompt lookup (when the text's last tokens occurred before) or the drafter, whichever
             promises more tokens per second (with a fixed n_draft: lookup whenever it matches). Without a
             drafter, prompt lookup alone (``PromptLookupDrafter()``). Default False.
-        n_gpu_layers: layers to offload (GPU builds).
+        n_gpu_layers: target layers to offload to a GPU or the RPC servers (default: all with ``rpc_servers``,
+            else 0). A DSpark drafter's own layers stay local unless it is given.
+        rpc_servers, tensor_split: the target's layers on rpc-servers (see ``Model``); a path target only.
         context_kwargs: further ``Context`` arguments (``n_batch``, ``kv_type``, ``consistent_numerics``...).
 
     Raises:
@@ -64,10 +67,13 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
     if not isinstance(target, (Model, str, os.PathLike)):
         raise TypeError(f"target must be a GGUF path or a Model, got {type(target).__name__}")
     owns_model = not isinstance(target, Model)
-    model = Model(target, n_gpu_layers=n_gpu_layers) if owns_model else target
+    if not owns_model and (rpc_servers or tensor_split is not None):
+        raise ValueError("rpc_servers and tensor_split are for a path target; an open Model keeps its own placement")
+    model = Model(target, n_gpu_layers=n_gpu_layers, rpc_servers=rpc_servers,
+                  tensor_split=tensor_split) if owns_model else target
     try:
         return LLM(model, drafter, owns_model=owns_model, n_ctx=n_ctx, n_threads=n_threads, n_draft=n_draft,
-                   n_draft_min=n_draft_min, p_min=p_min, prompt_lookup=prompt_lookup, n_gpu_layers=n_gpu_layers,
+                   n_draft_min=n_draft_min, p_min=p_min, prompt_lookup=prompt_lookup, n_gpu_layers=n_gpu_layers or 0,
                    **context_kwargs)
     except BaseException:
         if owns_model:

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -51,8 +52,35 @@ def _add_model_args(p: argparse.ArgumentParser, *, target: bool = True, drafter:
                    help="context size in tokens (default 4096; llama.cpp rounds it up to a multiple of 256)")
     p.add_argument("-b", "--batch-size", "--n-batch", dest="n_batch", type=int, default=512,
                    help="most prompt tokens per decode (default 512)")
-    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=int, default=0,
-                   help="layers to offload to the GPU (GPU builds; default 0)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="n_gpu_layers", type=int, default=None,
+                   help="target layers to offload to the GPU or the RPC servers (-1 = all; default: all with "
+                        "--rpc, else 0); a drafter's own layers stay local unless this is given")
+    p.add_argument("--rpc", dest="rpc_servers", type=_endpoint_list, default=(), metavar="HOST:PORT,...",
+                   help="rpc-servers (`pyllama-dspark rpc-server`) that hold the offloaded layers, comma-separated "
+                        "(builds with -DGGML_RPC=ON)")
+    p.add_argument("--tensor-split", "-ts", dest="tensor_split", type=_share_list, default=None, metavar="N,...",
+                   help="share of the offloaded layers per RPC device, comma-separated (default: by free memory)")
+
+
+def _endpoint_list(text: str) -> tuple[str, ...]:
+    from . import rpc
+
+    try:
+        return rpc.check_endpoints([e.strip() for e in text.split(",") if e.strip()])
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _share_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _model_options(args) -> dict:
+    """The target Model's placement options from the command line."""
+    return dict(n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc_servers, tensor_split=args.tensor_split)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, n_predict: int = 128) -> None:
@@ -162,7 +190,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parser(sub, verbose)
     _add_train_parser(sub, verbose)
     _add_serve_parser(sub, verbose)
+    _add_rpc_server_parser(sub, verbose)
     return parser
+
+
+def _add_rpc_server_parser(sub, parents: list) -> None:
+    from .rpc import DEFAULT_PORT
+
+    server = sub.add_parser("rpc-server", parents=parents, allow_abbrev=False,
+                            help="hold another machine's offloaded layers (llama.cpp's rpc-server; -DGGML_RPC=ON "
+                                 "builds)",
+                            description="Run the bundled rpc-server (upstream's, from the patched tree) on this "
+                                        "machine's CPU, with consistent numerics on for every connection, for "
+                                        "clients that pass --rpc HOST:PORT. The protocol has no authentication: "
+                                        "keep it on 127.0.0.1 (the default) and reach it through an SSH tunnel or "
+                                        "a private network.")
+    server.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; any other prints upstream's warning)")
+    server.add_argument("-p", "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    server.add_argument("-t", "--threads", dest="n_threads", type=int, default=None,
+                        help="CPU threads (default: upstream's, half the cores)")
+    server.add_argument("-c", "--cache", action="store_true",
+                        help="cache large tensors on disk (upstream's ~/.cache/llama.cpp/rpc)")
 
 
 def _add_serve_parser(sub, parents: list) -> None:
@@ -295,10 +344,10 @@ def _loaded(args, model_path: Path, drafter_path: Path | None):
     lookup = args.prompt_lookup
     sources = ([f"the drafter {drafter_path}"] if drafter_path else []) + (["prompt lookup"] if lookup else [])
     _say(f"loading {model_path}" + (f" with {' and '.join(sources)}" if sources else ""))
-    with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
+    with Model(model_path, **_model_options(args)) as model:
         with load(model, drafter_path, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
                   n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=lookup,
-                  n_gpu_layers=args.n_gpu_layers) as llm:
+                  n_gpu_layers=args.n_gpu_layers or 0) as llm:
             drafter, spec = llm.drafter, llm.speculator
             drafting = ("plain decoding" if drafter is None else
                         f"drafter block {drafter.block_size}, reading target layers {list(drafter.capture_layers)}, "
@@ -427,11 +476,11 @@ def _cmd_bench(args) -> int:
 
     prompts = load_prompts(args.prompts)
     summary, out = BenchSummary(), _report(args)
-    with Model(args.model, n_gpu_layers=args.n_gpu_layers) as model:
+    with Model(args.model, **_model_options(args)) as model:
         for result in run_bench(model, args.drafter, prompts, n_predict=args.max_tokens, n_draft=args.n_draft,
                                 n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=args.prompt_lookup,
                                 n_threads=args.n_threads,
-                                n_ctx=args.n_ctx, n_batch=args.n_batch, n_gpu_layers=args.n_gpu_layers,
+                                n_ctx=args.n_ctx, n_batch=args.n_batch, n_gpu_layers=args.n_gpu_layers or 0,
                                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
             summary.results.append(result)
             st = result.stats
@@ -501,7 +550,7 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
     from .model import Model
     from .speculative import Speculator
 
-    with Model(target_path, n_gpu_layers=args.n_gpu_layers) as model:
+    with Model(target_path, **_model_options(args)) as model:
         prompt = model.apply_chat_template([{"role": "user", "content": args.prompt}])
         knobs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      seed=args.seed)
@@ -509,7 +558,7 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
         generate(plain_ctx, prompt, max_tokens=4)  # warm-up: weights paged in, threads started
         ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
         drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, p_min=args.p_min,
-                                n_gpu_layers=args.n_gpu_layers)
+                                n_gpu_layers=args.n_gpu_layers or 0)
         if args.prompt_lookup:
             drafter = HybridDrafter(drafter)
         spec = Speculator(ctx, drafter, n_draft=args.n_draft, n_draft_min=args.n_draft_min)
@@ -609,7 +658,8 @@ def _cmd_serve(args) -> int:
             raise ValueError(f"--api-key-file {args.api_key_file} is empty")
     options = ServeOptions(model=args.model, drafter=args.drafter, host=args.host, port=args.port, alias=args.alias,
                            api_key=api_key, n_ctx=args.n_ctx, n_threads=args.n_threads, n_batch=args.n_batch,
-                           n_gpu_layers=args.n_gpu_layers, max_queue=args.max_queue, parallel=args.parallel,
+                           n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc_servers,
+                           tensor_split=args.tensor_split, max_queue=args.max_queue, parallel=args.parallel,
                            load_kwargs=dict(n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min,
                                             prompt_lookup=args.prompt_lookup))
     what = f"{args.model}" + (f" with the drafter {args.drafter}" if args.drafter else "")
@@ -621,6 +671,19 @@ def _cmd_serve(args) -> int:
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Python warnings (a clamped --draft-max...) as one line each, without the source location."""
     _say(f"warning: {message}")
+
+
+def _cmd_rpc_server(args) -> int:
+    from . import rpc
+
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.n_threads is not None and args.n_threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.n_threads}")
+    cmd, env = rpc.server_command(host=args.host, port=args.port, n_threads=args.n_threads, cache=args.cache)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(cmd[0], cmd, env)  # the server in this process: signals and the exit status are its own
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -649,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_train(args)
         if args.command == "serve":
             return _cmd_serve(args)
+        if args.command == "rpc-server":
+            return _cmd_rpc_server(args)
         return _cmd_demo(args)
     except (LlamaError, ValueError, OSError, ImportError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

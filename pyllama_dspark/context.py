@@ -24,13 +24,13 @@ import threading
 
 import numpy as np
 
-from . import _log, checks
+from . import _log, checks, rpc
 from ._lib import ffi, lib
 from ._owned import Owned
 from . import capture as _capture
 from .batch import Batch, EmbdBatch
 from .errors import (CaptureError, ContextBusyError, ContextInitError, InvalidBatchError, LlamaError, MemoryOpError,
-                     UnsupportedModeError, decode_error)
+                     RpcError, UnsupportedModeError, decode_error)
 from .model import Model
 
 
@@ -278,8 +278,11 @@ class Context(Owned):
 
     @property
     def offloaded(self) -> bool:
-        """True when this build has a GPU backend and the model was loaded with layers offloaded to it."""
-        return self.model.n_gpu_layers != 0 and bool(lib.llama_supports_gpu_offload())
+        """True when the model's layers may run off this process's CPU: on RPC servers, or offloaded with a GPU
+        device present. (llama_supports_gpu_offload() says yes in every RPC build, GPU or not: not used here.)"""
+        if self.model.n_gpu_layers == 0:
+            return False
+        return bool(self.model.rpc_servers) or bool(rpc.local_gpu_devices())
 
     @contextlib.contextmanager
     def abortable(self, token: CancelToken):
@@ -320,6 +323,11 @@ class Context(Owned):
             rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_DECODE, batch.ptr)
         self._outputs = np.zeros(0, dtype=np.int64)
         self._n_last = 0
+        if self.model.rpc_servers and lib.llama_dspark_remote_failed(self.ptr) == 1:
+            # the outputs of this decode are not valid (the native side completes lost commands unsent)
+            raise RpcError(f"lost the connection to an RPC server of {self.model.path.name} "
+                           f"({', '.join(self.model.rpc_servers)}); close the model and load it again once the "
+                           "servers run", op="llama_decode", code=rc, log_tail=_log.tail())
         if rc != 0:
             raise decode_error(rc, "llama_decode", _log.tail())
         self._outputs = batch.output_indices
@@ -596,8 +604,9 @@ def _set_consistent_numerics(ptr, enabled: bool) -> None:
     if rc == -2:
         raise UnsupportedModeError(
             "consistent numerics cannot be promised here: a BLAS backend takes over small batches, a GPU backend "
-            "other than Vulkan holds layers, flash attention is off on a GPU backend, or this gated-delta-net "
-            "model runs without its fused op; pass consistent_numerics=False",
+            "other than Vulkan holds layers, flash attention is off on a GPU backend, an RPC server lacks "
+            "pyllama-dspark's patch (run `pyllama-dspark rpc-server`) or serves a device other than its CPU, or "
+            "this gated-delta-net model runs without its fused op; pass consistent_numerics=False",
             op="llama_dspark_set_consistent_numerics", code=rc, log_tail=_log.tail())
     _check_status(rc, "llama_dspark_set_consistent_numerics")
 

@@ -209,7 +209,10 @@ class DSparkDrafter:
                  n_threads: int | None = None, n_gpu_layers: int = 0, p_min: float = 0.0, kv_type: str = "f16",
                  flash_attn: bool | None = None, n_seq_max: int | None = None):
         target.ptr  # a closed target raises ClosedHandleError before anything is loaded
-        self.model = Model(path, n_gpu_layers=n_gpu_layers)
+        # A target on RPC servers: the drafter's model gets the same devices (its own layers stay local unless
+        # n_gpu_layers says otherwise), so its context can run the target tensors it borrows (the token
+        # embeddings, a full-vocabulary drafter's output head) where they live.
+        self.model = Model(path, n_gpu_layers=n_gpu_layers, rpc_servers=target.model.rpc_servers)
         try:
             self.info = inspect_drafter(self.model, target.model)
             if p_min > 0.0 and not self.info.has_confidence:

@@ -15,6 +15,7 @@ seen before the failing call (see ``_log``).
       MemoryOpError                      a memory operation the cache cannot honour (seq_rm)
       CaptureError(ValueError)           hidden-state capture misuse (code: llama_dspark_capture_status)
       ContextBusyError                   a generation started on a Context another generation is using
+      RpcError                           an RPC server unreachable, of another protocol, or lost mid-run
     ClosedHandleError(ValueError)        use of a closed Model / Context / Batch
     LibraryMismatchError(ImportError)    the loaded libllama is not the one this package was built with
 """
@@ -89,6 +90,11 @@ class ContextBusyError(LlamaError):
     A generation owns its context from its first decode until it finishes or its iterator is closed. Use one
     Context per thread (contexts of one Model may run in parallel), or finish the other generation first.
     """
+
+
+class RpcError(LlamaError):
+    """An RPC server (``rpc_servers=``) cannot be used: unreachable, not answering, of another protocol version,
+    not in this build, or its connection was lost mid-run (the context's decodes then no longer compute)."""
 
 
 class ClosedHandleError(ValueError):

@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from . import _log
+from . import _log, rpc
 from . import chat as chat_templates
 from ._lib import ffi, lib
 from ._owned import Owned
@@ -35,40 +35,79 @@ class Model(Owned):
 
     Args:
         path: the .gguf file.
-        n_gpu_layers: layers to offload to a GPU backend (0 = CPU only, -1 = all).
+        n_gpu_layers: layers to offload to a GPU backend or the RPC servers (0 = CPU only, -1 = all). Default:
+            all with ``rpc_servers``, else 0.
         vocab_only: load only the vocabulary and metadata.
         use_extra_bufts: let llama.cpp repack weights for AMX / interleaved CPU kernels. Off by default:
             the repacked kernels differ between single-token and batched decodes (so speculative
             output could drift from plain greedy), and the AMX path raised SIGILL on our VMs
             (AMX listed by the CPU but not usable) for quantized weights and batches of ~32+ tokens.
             A context with consistent numerics (the default) refuses such a model.
+        rpc_servers: ``"host:port"`` endpoints of rpc-servers (``pyllama-dspark rpc-server``; builds with
+            ``-DGGML_RPC=ON``) whose devices hold the offloaded layers, as llama.cpp's ``--rpc``. The devices are
+            this model's only: other models of the process stay local. Each endpoint first gets a HELLO from
+            Python with a time limit, so an unreachable or incompatible server raises RpcError (llama.cpp
+            would abort the process).
+        tensor_split: the share of the offloaded layers per RPC device, in ``rpc_servers`` order, as llama.cpp's
+            ``--tensor-split`` (default: by the devices' free memory).
 
     Raises:
         FileNotFoundError: the file does not exist.
         ModelLoadError: llama.cpp refused the file (not GGUF, truncated, corrupt,
             unsupported architecture); ``log_tail`` has its reason.
+        RpcError: an RPC server cannot be used (see ``rpc_servers``), or this build has no RPC backend.
+        ValueError: a malformed endpoint, or a tensor_split whose length is not the number of RPC devices.
+
+    Attributes:
+        buffer_sizes: MiB of weights per buffer type as llama.cpp reported them at load (``CPU_Mapped``,
+            ``RPC0[host:port]``, a GPU's): where the weights went.
+        rpc_info: each RPC server's HELLO reply (``rpc.ServerInfo``), in ``rpc_servers`` order.
 
     Closing a model closes its contexts first. ``with Model(...) as m:`` works.
     """
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False,
-                 use_extra_bufts: bool = False):
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int | None = None, vocab_only: bool = False,
+                 use_extra_bufts: bool = False, rpc_servers: Sequence[str] = (),
+                 tensor_split: Sequence[float] | None = None):
         self.path = Path(path)
         self.vocab_only = bool(vocab_only)
         self.use_extra_bufts = bool(use_extra_bufts)
+        self.rpc_servers = rpc.check_endpoints(rpc_servers)
+        if n_gpu_layers is None:
+            n_gpu_layers = -1 if self.rpc_servers else 0
         self.n_gpu_layers = int(n_gpu_layers)
+        if tensor_split is not None and not self.rpc_servers:
+            raise ValueError("tensor_split needs rpc_servers (it splits the offloaded layers between their devices)")
         header = _check_gguf_file(self.path)
         params = lib.llama_model_default_params()
-        params.n_gpu_layers = int(n_gpu_layers)
+        params.n_gpu_layers = self.n_gpu_layers
         params.vocab_only = bool(vocab_only)
         params.use_extra_bufts = bool(use_extra_bufts)
+        self.rpc_info: list = []
+        keep_alive = []
+        if self.rpc_servers:
+            self.rpc_info, devices = rpc.model_devices(self.rpc_servers)
+            keep_alive.append(ffi.new("ggml_backend_dev_t[]", devices + [ffi.NULL]))
+            params.devices = keep_alive[-1]
+            if tensor_split is not None:
+                shares = [float(x) for x in tensor_split]
+                if len(shares) != len(devices) or min(shares) < 0 or sum(shares) <= 0:
+                    raise ValueError(f"tensor_split needs {len(devices)} non-negative shares (one per RPC device) "
+                                     f"with a positive sum, got {list(tensor_split)}")
+                keep_alive.append(ffi.new("float[]", shares + [0.0] * max(0, lib.llama_max_devices() - len(shares))))
+                params.tensor_split = keep_alive[-1]
         _log.clear()
-        ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
+        with _log.collect() as lines:
+            ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
         if ptr == ffi.NULL:
             raise ModelLoadError(f"could not load model {str(self.path)!r}", op="llama_model_load_from_file",
                                  log_tail=_log.tail())
         self._set_ptr(ptr)
         _OPEN_MODELS.add(self)
+        if self.rpc_servers:
+            rpc.register_user(self)
+        self.buffer_sizes = _model_buffer_sizes(lines)
+        self._placement = keep_alive  # llama.cpp keeps the tensor_split pointer of the params it was given
         self._vocab = lib.llama_model_get_vocab(ptr)
         self._gguf_header = header
 
@@ -167,7 +206,14 @@ class Model(Owned):
 
     # --- vocabulary --------------------------------------------------------------------
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
-        """Text -> token ids (int32 array). ``add_special`` adds BOS/EOS as the model asks."""
+        """Text -> token ids (int32 array). ``add_special`` adds BOS/EOS as the model asks.
+
+        Raises:
+            ValueError: the model has no tokenizer (vocabulary type none): pass token ids instead.
+        """
+        if not self.has_vocab:  # llama.cpp would abort the process (GGML_ASSERT: tokenizer not initialized)
+            raise ValueError(f"{self.path.name} has no tokenizer (its vocabulary type is none): pass token ids, "
+                             "not text")
         data = text.encode("utf-8")
         n_max = len(data) + 16
         while True:
@@ -287,6 +333,18 @@ class Model(Owned):
         if bad.size:
             raise InvalidBatchError(f"token id {int(bad[0])} out of range [0, {n_vocab})", op="tokens")
         return ids.astype(np.int32)
+
+
+def _model_buffer_sizes(lines: Sequence[str]) -> dict[str, float]:
+    """{buffer type: MiB} from llama.cpp's "load_tensors: <buffer> model buffer size = <x> MiB" lines (e.g.
+    ``CPU_Mapped``, ``RPC0[127.0.0.1:50052]``): where the weights went."""
+    sizes: dict[str, float] = {}
+    for line in lines:
+        head, sep, tail = line.partition(" model buffer size = ")
+        if sep and tail.endswith("MiB"):
+            name = head.split(":", 1)[-1].strip()
+            sizes[name] = sizes.get(name, 0.0) + float(tail[:-3])
+    return sizes
 
 
 def _check_gguf_file(path: Path):

@@ -8,13 +8,16 @@
 # Python itself is not instrumented: the runtime is preloaded (LD_PRELOAD) and PYTHONMALLOC=malloc sends
 # Python's own allocations through malloc, so ASan also sees a native read of a freed Python object.
 # Leak detection is off: the interpreter and numpy keep allocations alive at exit by design.
+# The build also has the RPC backend (-DGGML_RPC=ON, opt-in elsewhere), so tests/test_rpc.py runs here, its
+# rpc-server processes instrumented too; PYLLAMA_DSPARK_REQUIRE_RPC=1 makes a missing backend a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${PYLLAMA_DSPARK_ASAN_VENV:-.venv-asan}"
 if [[ "${PYLLAMA_DSPARK_ASAN_REUSE:-0}" != 1 || ! -x "$venv/bin/python" ]]; then
     rm -rf "$venv"
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q -C build-dir=build/asan -C cmake.define.PYLLAMA_DSPARK_SANITIZE=address '.[test,server]'
+    "$venv/bin/pip" install -q -C build-dir=build/asan -C cmake.define.PYLLAMA_DSPARK_SANITIZE=address \
+        -C cmake.define.GGML_RPC=ON '.[test,server]'
 fi
 libasan="$(gcc -print-file-name=libasan.so)"
 [[ -e "$libasan" ]] || { echo "asan_pytest: libasan.so not found (gcc -print-file-name=libasan.so)" >&2; exit 2; }
@@ -23,7 +26,7 @@ libasan="$(gcc -print-file-name=libasan.so)"
 libstdcxx="$(gcc -print-file-name=libstdc++.so)"
 reports="$(mktemp -d)"
 status=0
-env LD_PRELOAD="$libasan $libstdcxx" PYTHONMALLOC=malloc \
+env LD_PRELOAD="$libasan $libstdcxx" PYTHONMALLOC=malloc PYLLAMA_DSPARK_REQUIRE_RPC=1 \
     ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:log_path=$reports/asan" \
     "$venv/bin/pytest" -p no:cacheprovider "$@" || status=$?  # not `python -m pytest`: the source tree would shadow the build
 if compgen -G "$reports/asan*" > /dev/null; then

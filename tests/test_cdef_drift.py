@@ -14,7 +14,8 @@ import pytest
 from pyllama_dspark._ffi_build import CDEF_DIR, CDEF_FILES
 
 VENDOR = Path(__file__).resolve().parent.parent / "vendor" / "llama.cpp"
-HEADERS = ["include/llama.h", "include/llama-dspark.h", "ggml/include/ggml.h", "ggml/include/ggml-cpu.h"]
+HEADERS = ["include/llama.h", "include/llama-dspark.h", "ggml/include/ggml.h", "ggml/include/ggml-cpu.h",
+           "ggml/include/ggml-backend.h", "ggml/include/ggml-rpc.h"]
 
 
 def normalize(text: str) -> str:
@@ -25,8 +26,10 @@ def normalize(text: str) -> str:
 
 
 def declarations(fragment: str) -> list[str]:
-    """Statements of a fragment; struct and enum bodies are checked member by member (they may hold `...`)."""
-    out = []
+    """Statements of a fragment; struct and enum bodies are checked member by member (they may hold `...`);
+    an integer constant (``#define NAME ...``) by its name."""
+    out = [f"#define {name} " for name in re.findall(r"^#define (\w+) \.\.\.$", fragment, flags=re.M)]
+    fragment = re.sub(r"^#define \w+ \.\.\.$", " ", fragment, flags=re.M)
     for stmt in normalize(fragment).split(";"):
         if not stmt or stmt == "...":
             continue

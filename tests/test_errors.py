@@ -6,6 +6,10 @@ Each case that could reach native code runs in a subprocess too, so an abort
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -230,3 +234,17 @@ def test_errors_about_what_the_caller_passed_are_also_value_errors():
         assert issubclass(cls, ValueError), cls.__name__
     for cls in (KvCacheFullError, DecodeAbortedError, FatalDecodeError, MemoryOpError):
         assert not issubclass(cls, ValueError), f"{cls.__name__} is a runtime condition, not bad input"
+
+
+def test_text_for_a_model_without_a_tokenizer_is_refused_not_aborted(make_model, tmp_path):
+    """llama.cpp's tokenizer GGML_ASSERTs on a vocabulary of type none (found through the CLI with a tiny model:
+    the process died); the Model raises first, and the CLI reports it."""
+    path = make_model(arch="llama", n_layer=2)
+    with Model(path) as model:
+        assert not model.has_vocab
+        with pytest.raises(ValueError, match="no tokenizer"):
+            model.tokenize("hello")
+    cli = str(Path(sys.executable).with_name("pyllama-dspark"))
+    out = subprocess.run([cli, "generate", "-m", str(path), "-p", "hello", "-n", "4"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "no tokenizer" in out.stderr, (out.returncode, out.stderr[-1500:])

@@ -18,8 +18,11 @@ from pyllama_dspark.testing import TinySpec
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 SERVER_SECTION = README.read_text().split("\n## Server\n", 1)[1].split("\n## ", 1)[0]
-# the Server section's Python example needs a running server: test_readme_server_examples_run runs it
-BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text().replace(SERVER_SECTION, ""), flags=re.M | re.S)
+RPC_SECTION = README.read_text().split("\n## Past one machine (RPC)\n", 1)[1].split("\n## ", 1)[0]
+# the Server section's Python example needs a running server: test_readme_server_examples_run runs it; the RPC
+# section's needs rpc-servers and an RPC build: tests/test_rpc.py runs it
+BLOCKS = re.findall(r"^```python\n(.*?)^```", README.read_text().replace(SERVER_SECTION, "").replace(RPC_SECTION, ""),
+                    flags=re.M | re.S)
 CLI_SECTION = README.read_text().split("\n## CLI\n", 1)[1].split("\n## ", 1)[0]
 COMMANDS = [line for block in re.findall(r"^```sh\n(.*?)^```", CLI_SECTION, flags=re.M | re.S)
             for line in block.splitlines() if "pyllama-dspark " in line]

@@ -180,3 +180,24 @@ def test_bench_batching_small(tmp_path, make_pair):
             assert run["identical"] and run["generated_tokens"] == 40 and run["aggregate_tok_s"] > 0
             assert run["latency_p50_s"] <= run["latency_p99_s"] <= run["wall_s"] + 1e-9
     assert set(result["dspark_over_plain"]) == {"1", "3"}
+
+
+def test_bench_rpc_small(tmp_path, make_pair):
+    from pyllama_dspark import rpc
+    from pyllama_dspark.testing import TinySpec
+
+    if not rpc.available():
+        pytest.skip("no RPC backend in this build (-DGGML_RPC=ON)")
+    pair = make_pair(TinySpec(arch="llama", n_layer=4, vocab="llama-spm", chat_template="chatml"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"story {i} about a cat"}) + "\n" for i in range(3)))
+    result = run_script("bench_rpc.py", "--model", str(pair.target), "--drafter", str(pair.drafter), "--prompts",
+                        str(prompts), "--max-tokens", "8", "-c", "256", "-t", "1", tmp_path=tmp_path)
+    assert result["identical"] and list(result["placements"]) == ["local", "one server", "two servers"]
+    for placement, entry in result["placements"].items():
+        for mode in ("plain", "dspark"):
+            figures = entry[mode]
+            assert figures["generated_tokens"] == 24 and figures["identical_to_local_plain"]
+            remote = [name for name in figures["model_buffers_mib"] if name.startswith("RPC")]
+            assert len(remote) == {"local": 0, "one server": 1, "two servers": 2}[placement], figures
+            assert (figures["graphs_sent_per_token"] > 0) == (placement != "local")

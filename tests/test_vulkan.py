@@ -17,11 +17,11 @@ import pytest
 
 import drafters
 from conftest import ARCHS
-from pyllama_dspark import Batch, Context, Model, generate
+from pyllama_dspark import Batch, Context, Model, generate, rpc
 from pyllama_dspark._lib import lib
 from pyllama_dspark.speculative import Speculator
 
-GPU = bool(lib.llama_supports_gpu_offload())
+GPU = bool(rpc.local_gpu_devices())  # not llama_supports_gpu_offload(): true in every RPC build
 REQUIRE_GPU = os.environ.get("PYLLAMA_DSPARK_REQUIRE_GPU") == "1"
 
 pytestmark = pytest.mark.skipif(not GPU and not REQUIRE_GPU,

@@ -28,3 +28,5 @@ int32_t llama_dspark_set_narrowing(struct llama_context * ctx, bool enabled);
 int32_t llama_dspark_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 float * llama_dspark_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
 int32_t llama_dspark_set_consistent_numerics(struct llama_context * ctx, bool enabled);
+
+int32_t llama_dspark_remote_failed(struct llama_context * ctx);

@@ -51,7 +51,20 @@ typedef struct llama_batch {
     int8_t       *  logits;
 } llama_batch;
 
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+
+enum ggml_backend_dev_type {
+    GGML_BACKEND_DEVICE_TYPE_CPU,
+    GGML_BACKEND_DEVICE_TYPE_GPU,
+    GGML_BACKEND_DEVICE_TYPE_IGPU,
+    GGML_BACKEND_DEVICE_TYPE_ACCEL,
+    ...
+};
+
 struct llama_model_params {
+    ggml_backend_dev_t * devices;
+    const float * tensor_split;
     int32_t n_gpu_layers;
     int32_t main_gpu;
     bool vocab_only;

@@ -40,7 +40,9 @@ class ServeOptions:
     n_ctx: int = 4096
     n_threads: int | None = None
     n_batch: int = 512
-    n_gpu_layers: int = 0
+    n_gpu_layers: int | None = None  # None: all with rpc_servers, else 0 (as Model)
+    rpc_servers: tuple[str, ...] = ()
+    tensor_split: list[float] | None = None
     max_queue: int = 64
     parallel: int = 1
     load_kwargs: dict[str, Any] | None = None  # further ``load`` arguments (n_draft, prompt_lookup, ...)
@@ -63,7 +65,8 @@ def build(options: ServeOptions, *, open_llm=None):
         from ..api import load
 
         return load(options.model, options.drafter, n_ctx=options.n_ctx, n_threads=options.n_threads,
-                    n_batch=options.n_batch, n_gpu_layers=options.n_gpu_layers, **(options.load_kwargs or {}))
+                    n_batch=options.n_batch, n_gpu_layers=options.n_gpu_layers, rpc_servers=options.rpc_servers,
+                    tensor_split=options.tensor_split, **(options.load_kwargs or {}))
 
     engine = Engine(open_llm or load_llm, max_queue=options.max_queue, parallel=options.parallel)
     config = ServerConfig(options.model, alias=options.alias, api_key=options.api_key)
