@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import NamedTuple
@@ -17,7 +18,10 @@ ARCHS = ["llama", "qwen3", "qwen35"]
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tiny-models")
+    # PYLLAMA_DSPARK_TEST_MODEL_DIR: a folder kept between sessions (scripts/mutation_check.py runs a session per
+    # mutant); files are named by a hash of their spec and written atomically, so sessions can share it
+    shared = os.environ.get("PYLLAMA_DSPARK_TEST_MODEL_DIR")
+    return Path(shared) if shared else tmp_path_factory.mktemp("tiny-models")
 
 
 @pytest.fixture(scope="session")
