@@ -53,3 +53,32 @@ def test_smollm2_gets_its_default_system_prompt():
         assert model.apply_chat_template([{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "Hi"}]) == (
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# The renderer itself, on templates written here (what chat templates use of it: tojson's options, the special
+# tokens, tools, extra variables): a wrong default or a dropped argument changes the prompt the model sees.
+
+def test_tojson_writes_plain_json_with_the_options_templates_pass():
+    from pyllama_dspark.chat import render
+
+    messages = [{"role": "user", "content": "héllo <b>&"}]
+    as_json = "{{ messages[0] | tojson }}"
+    assert render(as_json, messages, add_generation_prompt=False) == '{"role": "user", "content": "héllo <b>&"}'
+    options = {
+        "{{ messages[0] | tojson(indent=2) }}": '{\n  "role": "user",\n  "content": "héllo <b>&"\n}',
+        "{{ messages[0] | tojson(sort_keys=true) }}": '{"content": "héllo <b>&", "role": "user"}',
+        "{{ messages[0] | tojson(separators=(',', ':')) }}": '{"role":"user","content":"héllo <b>&"}',
+        "{{ messages[0] | tojson(ensure_ascii=true) }}": '{"role": "user", "content": "h\\u00e9llo <b>&"}',
+    }
+    for template, expected in options.items():
+        assert render(template, messages, add_generation_prompt=False) == expected, template
+
+
+def test_the_special_tokens_tools_and_extra_variables_reach_the_template():
+    from pyllama_dspark.chat import is_jinja, render
+
+    template = "[{{ bos_token }}|{{ eos_token }}|{{ tools is none }}|{{ date_string | default('none') }}]"
+    assert render(template, [], add_generation_prompt=False) == "[||True|none]"
+    assert render(template, [], add_generation_prompt=True, bos_token="<s>", eos_token="</s>",
+                  date_string="2 Dec 2026") == "[<s>|</s>|True|2 Dec 2026]"
+    assert is_jinja("{{ bos_token }}hi") and is_jinja("{% if x %}{% endif %}") and not is_jinja("chatml")
