@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,23 @@ def hello(endpoint: str, timeout: float = HELLO_TIMEOUT) -> ServerInfo:
         raise RpcError(f"RPC server {endpoint} speaks protocol {major}.{minor}.{patch}; this build speaks "
                        f"{lib.RPC_PROTO_MAJOR_VERSION}.{lib.RPC_PROTO_MINOR_VERSION}.x", op="rpc_hello")
     return ServerInfo(endpoint, (major, minor, patch), bool(features & FEATURE_CONSISTENT))
+
+
+def wait_for_server(endpoint: str, process=None, timeout: float = 30.0) -> ServerInfo:
+    """Poll ``hello`` until the server answers (a server just started needs a moment to listen).
+
+    Raises:
+        RpcError: the last probe's error, once ``process`` (a ``subprocess.Popen``, if given) has exited or
+            ``timeout`` seconds have passed.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return hello(endpoint, timeout=min(2.0, timeout))
+        except RpcError:
+            if (process is not None and process.poll() is not None) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def _recv_exact(sock: socket.socket, n: int, endpoint: str) -> bytes:

@@ -38,16 +38,12 @@ def start_server(n_threads: int) -> tuple[subprocess.Popen, str]:
     cmd, env = rpc.server_command(port=port, n_threads=n_threads)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            rpc.hello(endpoint, timeout=2)
-            return proc, endpoint
-        except RpcError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.05)
+    try:
+        rpc.wait_for_server(endpoint, proc)
+    except RpcError:
+        proc.kill()
+        raise
+    return proc, endpoint
 
 
 def run(model_path: str, drafter: str | None, prompts: list[str], args, servers: list[str]) -> dict:
