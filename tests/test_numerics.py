@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import token_scan
 from conftest import ARCHS
 from pyllama_dspark import Batch, Context, ContextInitError, Model, UnsupportedModeError
 from pyllama_dspark.model import quantize
@@ -15,25 +16,13 @@ TOKENS = [1, 17, 42, 99, 3, 250, 7] + list(range(30, 87))  # 64
 
 
 def single_rows(model, tokens=TOKENS, **kw):
-    ctx = Context(model, n_ctx=256, n_batch=16, **kw)
-    batch, rows = Batch(1), []
-    for pos, token in enumerate(tokens):
-        batch.clear()
-        batch.add(token, pos, logits=True)
-        ctx.decode(batch)
-        rows.append(ctx.logits(-1).copy())
-    return np.array(rows)
+    with Context(model, n_ctx=256, n_batch=16, **kw) as ctx:
+        return token_scan.single_rows(ctx, tokens)
 
 
 def batched_rows(model, n, **kw):
-    ctx = Context(model, n_ctx=256, n_batch=64, **kw)
-    batch, rows = Batch(64), []
-    for start in range(0, len(TOKENS), n):
-        batch.clear()
-        batch.add_tokens(TOKENS[start:start + n], start, logits="all")
-        ctx.decode(batch)
-        rows.append(ctx.all_logits().copy())
-    return np.concatenate(rows)
+    with Context(model, n_ctx=256, n_batch=64, **kw) as ctx:
+        return token_scan.batched_rows(ctx, TOKENS, n)
 
 
 @pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_0", "q4_1"])

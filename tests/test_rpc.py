@@ -14,13 +14,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import drafters
+import token_scan
 from conftest import ARCHS
 from pyllama_dspark import Batch, Context, Model, RpcError, UnsupportedModeError, generate, rpc
 from pyllama_dspark.speculative import Speculator
@@ -49,16 +49,11 @@ class Server:
         self.endpoint = f"127.0.0.1:{self.port}"
         cmd, env = rpc.server_command(port=self.port, n_threads=1)
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 30
-        while True:  # ready once it answers HELLO (the probe's connection closes right away)
-            try:
-                self.info = rpc.hello(self.endpoint, timeout=2)
-                return
-            except RpcError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise
-                time.sleep(0.05)
+        try:
+            self.info = rpc.wait_for_server(self.endpoint, self.proc)
+        except RpcError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -80,25 +75,13 @@ def context(model, **kwargs):
 
 
 def single_rows(model, tokens=TOKENS):
-    ctx, batch, rows = context(model), Batch(1), []
-    for pos, token in enumerate(tokens):
-        batch.clear()
-        batch.add(token, pos, logits=True)
-        ctx.decode(batch)
-        rows.append(ctx.logits(-1).copy())
-    ctx.close()
-    return np.array(rows)
+    with context(model) as ctx:
+        return token_scan.single_rows(ctx, tokens)
 
 
 def batched_rows(model, width, tokens=TOKENS):
-    ctx, batch, rows = context(model), Batch(64), []
-    for start in range(0, len(tokens), width):
-        batch.clear()
-        batch.add_tokens(tokens[start:start + width], start, logits="all")
-        ctx.decode(batch)
-        rows.append(ctx.all_logits().copy())
-    ctx.close()
-    return np.concatenate(rows)
+    with context(model) as ctx:
+        return token_scan.batched_rows(ctx, tokens, width)
 
 
 def test_this_build_has_the_rpc_backend():
@@ -361,14 +344,7 @@ def test_the_cli_rpc_server_and_generate_with_rpc_match_a_local_run(make_model, 
     server = subprocess.Popen([cli, "rpc-server", "--port", str(port), "--threads", "1"], cwd=tmp_path,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                assert rpc.hello(f"127.0.0.1:{port}", timeout=2).consistent_numerics
-                break
-            except RpcError:
-                assert server.poll() is None and time.monotonic() < deadline, "rpc-server did not start"
-                time.sleep(0.05)
+        assert rpc.wait_for_server(f"127.0.0.1:{port}", server).consistent_numerics
         runs = {}
         for name, extra in (("local", []), ("remote", ["--rpc", f"127.0.0.1:{port}"])):
             out = subprocess.run([cli, "generate", "-m", path, "-p", "Once upon a time", "-n", "24", "-t", "1",

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import drafters
+import token_scan
 from conftest import ARCHS
 from pyllama_dspark import Batch, Context, Model, generate, rpc
 from pyllama_dspark._lib import lib
@@ -42,26 +43,13 @@ def gpu_context(model, consistent=True):
 
 
 def single_rows(model, consistent=True, tokens=TOKENS):
-    ctx, batch, rows = gpu_context(model, consistent), Batch(1), []
-    for pos, token in enumerate(tokens):
-        batch.clear()
-        batch.add(token, pos, logits=True)
-        ctx.decode(batch)
-        rows.append(ctx.logits(-1).copy())
-    ctx.close()
-    return np.array(rows)
+    with gpu_context(model, consistent) as ctx:
+        return token_scan.single_rows(ctx, tokens)
 
 
 def batched_rows(model, width, consistent=True, tokens=TOKENS):
-    """The scan again in batches of width tokens, each after the same prefix as its single-token decodes."""
-    ctx, batch, rows = gpu_context(model, consistent), Batch(64), []
-    for start in range(0, len(tokens), width):
-        batch.clear()
-        batch.add_tokens(tokens[start:start + width], start, logits="all")
-        ctx.decode(batch)
-        rows.append(ctx.all_logits().copy())
-    ctx.close()
-    return np.concatenate(rows)
+    with gpu_context(model, consistent) as ctx:
+        return token_scan.batched_rows(ctx, tokens, width)
 
 
 @pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_0"])
