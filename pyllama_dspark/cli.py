@@ -447,12 +447,19 @@ def _cmd_chat(args) -> int:
                     warned = True
 
 
+def _check_parallel(parallel: int) -> None:
+    """--parallel of batch and serve, checked before the model loads."""
+    from .batching import MAX_EXACT_ROWS
+
+    if not 1 <= parallel <= MAX_EXACT_ROWS:
+        raise ValueError(f"--parallel must be in [1, {MAX_EXACT_ROWS}], got {parallel}")
+
+
 def _cmd_batch(args) -> int:
     from .bench import load_prompts
 
     items = load_prompts(args.prompts)
-    if not 1 <= args.parallel <= 64:
-        raise ValueError(f"--parallel must be in [1, 64], got {args.parallel}")
+    _check_parallel(args.parallel)
     with _loaded(args, Path(args.model), Path(args.drafter) if args.drafter else None) as llm:
         prompts = [item["prompt"] if "prompt" in item else llm.model.apply_chat_template(item["messages"])
                    for item in items]
@@ -646,8 +653,7 @@ def _cmd_train(args) -> int:
 def _cmd_serve(args) -> int:
     from .server import ServeOptions, serve
 
-    if not 1 <= args.parallel <= 64:
-        raise ValueError(f"--parallel must be in [1, 64], got {args.parallel}")
+    _check_parallel(args.parallel)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     api_key = args.api_key
