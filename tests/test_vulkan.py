@@ -19,7 +19,7 @@ import drafters
 import token_scan
 from conftest import ARCHS
 from pyllama_dspark import Batch, Context, Model, generate, rpc
-from pyllama_dspark._lib import lib
+from pyllama_dspark._lib import ffi, lib
 from pyllama_dspark.speculative import Speculator
 
 GPU = bool(rpc.local_gpu_devices())  # not llama_supports_gpu_offload(): true in every RPC build
@@ -61,6 +61,39 @@ def test_batched_rows_are_bit_identical_to_single_tokens_on_the_gpu(quantized, a
             np.testing.assert_array_equal(batched_rows(model, width), single, err_msg=f"{arch} {qtype} width {width}")
 
 
+def multi_col_mmv_dispatches() -> int:
+    """Mat-vec dispatches of several columns per pipeline taken under the mode (patch 0022's counter)."""
+    reg = lib.ggml_backend_reg_by_name(b"Vulkan")
+    assert reg != ffi.NULL, "no Vulkan backend in this build"
+    address = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_vk_dspark_multi_col_mmv")
+    assert address != ffi.NULL, "the Vulkan backend lacks patch 0022's counter"
+    return int(ffi.cast("int64_t (*)(void)", address)())
+
+
+@pytest.mark.parametrize("per_column", [False, True], ids=["num-cols-n", "per-column"])
+def test_small_batches_run_the_multi_column_mat_vec_bit_identically(quantized, monkeypatch, per_column):
+    """Patch 0022: under the mode a batch of 2-8 columns takes the NUM_COLS=n mat-vec, whose every column must
+    equal the NUM_COLS=1 pipeline's bit for bit; GGML_VK_CONSISTENT_PER_COLUMN=1 (read when a context is
+    created) keeps one NUM_COLS=1 dispatch per column. A batch above 8 columns goes per column either way."""
+    if per_column:
+        monkeypatch.setenv("GGML_VK_CONSISTENT_PER_COLUMN", "1")
+    else:
+        monkeypatch.delenv("GGML_VK_CONSISTENT_PER_COLUMN", raising=False)
+    tokens = TOKENS[:64]  # whole batches of every width below, so width 16 never leaves a short last batch
+    for qtype in ("f32", "f16", "q8_0", "q4_0"):
+        with Model(quantized("llama", qtype), n_gpu_layers=-1) as model:
+            single = single_rows(model, tokens=tokens)
+            for width in (2, 4, 8, 16):
+                before = multi_col_mmv_dispatches()
+                rows = batched_rows(model, width, tokens=tokens)
+                taken = multi_col_mmv_dispatches() - before
+                np.testing.assert_array_equal(rows, single, err_msg=f"{qtype} width {width}")
+                if width <= 8 and not per_column:
+                    assert taken > 0, f"{qtype} width {width}: the NUM_COLS=n mat-vec was not taken"
+                else:
+                    assert taken == 0, f"{qtype} width {width}: {taken} multi-column dispatches"
+
+
 def test_without_the_mode_the_first_divergence_is_recorded(quantized, record_property):
     """Why the mode exists: without it, batches above 8 columns take the tiled matmul and smaller ones a
     mat-vec specialised per column count. Records the first (width, row) whose logits differ, per type."""
@@ -79,12 +112,32 @@ def test_without_the_mode_the_first_divergence_is_recorded(quantized, record_pro
     assert found, "no batch width differed without the mode: this device cannot show the mode's effect"
 
 
-def test_a_partial_offload_stays_exact(quantized):
-    """Layers on the CPU take the CPU's mode, layers on the device the device's: rows stay bit-identical."""
-    with Model(quantized("llama", "q8_0"), n_gpu_layers=1) as model:
+@pytest.mark.parametrize("arch, qtype, widths", [("llama", "q8_0", (2, 8, 16)), ("qwen3", "f32", (8, 37, 64))])
+def test_a_partial_offload_stays_exact(quantized, arch, qtype, widths):
+    """Layers on the CPU take the CPU's mode, layers on the device the device's: rows stay bit-identical. On
+    qwen3 the CPU layers' per-head q/k norms ([head_dim, n_head, n_tokens]) of a 37-token batch have more
+    than 64 rows: the device's op offload must judge them by their tokens and leave them where a lone
+    token's run (patch 0023), or batch 37 differs from single tokens."""
+    with Model(quantized(arch, qtype), n_gpu_layers=1) as model:
         single = single_rows(model)
-        for width in (2, 8, 16):
-            np.testing.assert_array_equal(batched_rows(model, width), single, err_msg=f"width {width}")
+        for width in widths:
+            np.testing.assert_array_equal(batched_rows(model, width), single, err_msg=f"{arch} {qtype} width {width}")
+
+
+def test_a_model_with_no_gpu_layers_runs_on_the_cpu_alone(quantized):
+    """n_gpu_layers=0 in a GPU build gives the model no GPU device: its weights are the CPU's, the mode is
+    accepted without flash attention (refused before: the idle Vulkan backend of every context counted as a
+    GPU without it), and a 37-token batch (row counts above the device's op-offload threshold) is not
+    computed by the device, whose rows for the same batch differ."""
+    with Model(quantized("qwen3", "f32"), n_gpu_layers=0) as model:
+        assert not any("Vulkan" in name for name in model.buffer_sizes), model.buffer_sizes
+        with Context(model, n_ctx=256, n_batch=64, flash_attn=False) as ctx:
+            assert ctx.consistent_numerics and not ctx.offloaded
+            cpu_rows = token_scan.batched_rows(ctx, TOKENS, 37)
+    with Model(quantized("qwen3", "f32"), n_gpu_layers=-1) as model:
+        assert any("Vulkan" in name for name in model.buffer_sizes), model.buffer_sizes
+        gpu_rows = batched_rows(model, 37)
+    assert not np.array_equal(cpu_rows, gpu_rows), "the device computed the CPU's rows bit for bit: no contrast"
 
 
 def test_rows_stay_exact_where_the_kv_cache_crosses_512_cells(quantized):
