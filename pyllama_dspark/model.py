@@ -35,8 +35,11 @@ class Model(Owned):
 
     Args:
         path: the .gguf file.
-        n_gpu_layers: layers to offload to a GPU backend or the RPC servers (0 = CPU only, -1 = all). Default:
-            all with ``rpc_servers``, else 0.
+        n_gpu_layers: layers to offload to a GPU backend or the RPC servers (-1 = all). Default: all with
+            ``rpc_servers``, else 0. 0 is the CPU alone, also in a GPU build: the model then gets no GPU device,
+            so its contexts hold no GPU backend (llama.cpp would otherwise still send large batches' matrix
+            products to the GPU and put the CPU's buffers in the GPU's pinned memory), and a context computes
+            as in a CPU-only build.
         vocab_only: load only the vocabulary and metadata.
         use_extra_bufts: let llama.cpp repack weights for AMX / interleaved CPU kernels. Off by default:
             the repacked kernels differ between single-token and batched decodes (so speculative
@@ -96,6 +99,9 @@ class Model(Owned):
                                      f"with a positive sum, got {list(tensor_split)}")
                 keep_alive.append(ffi.new("float[]", shares + [0.0] * max(0, lib.llama_max_devices() - len(shares))))
                 params.tensor_split = keep_alive[-1]
+        elif self.n_gpu_layers == 0:
+            keep_alive.append(ffi.new("ggml_backend_dev_t[]", [ffi.NULL]))  # no devices: the CPU alone
+            params.devices = keep_alive[-1]
         _log.clear()
         with _log.collect() as lines:
             ptr = lib.llama_model_load_from_file(os.fsencode(self.path), params)
