@@ -124,7 +124,7 @@ class BenchSummary:
 def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], prompts: list[dict], *,
               n_predict: int, n_draft: int | None = None, n_draft_min: int = 0, p_min: float = 0.0,
               prompt_lookup: bool = False, n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
-              n_gpu_layers: int = 0,
+              n_gpu_layers: int = 0, consistent_numerics: bool = True,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               seed: int | None = 0) -> Iterator[PromptResult]:
     """Yield one PromptResult per prompt: plain, then speculative decoding, in two contexts of the same settings
@@ -135,6 +135,8 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
         n_draft: fixed draft length; None = cost-aware (the Speculator's default).
         n_draft_min, p_min: as ``Speculator`` and ``DSparkDrafter`` take them.
         prompt_lookup: wrap the drafter in a ``HybridDrafter`` (prompt lookup first, then the drafter).
+        consistent_numerics: the mode of both contexts (``Context``). False measures a GPU's verify without it:
+            faster there, and the output may then differ from plain decoding (``PromptResult.match``).
         temperature, top_k, top_p, seed: the sampling of both runs (one seed for both).
 
     Raises:
@@ -157,8 +159,9 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
         make_drafter = lambda ctx: HybridDrafter(make_model_drafter(ctx))  # noqa: E731
     hybrid = model.is_hybrid or model.is_recurrent
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
-                  n_rs_seq=Speculator.target_rs_seq(k_rs) if hybrid else 0)
-    plain_ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads)
+                  n_rs_seq=Speculator.target_rs_seq(k_rs) if hybrid else 0, consistent_numerics=consistent_numerics)
+    plain_ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
+                        consistent_numerics=consistent_numerics)
     spec_drafter = make_drafter(ctx)
     try:
         spec = Speculator(ctx, spec_drafter, n_draft=n_draft, n_draft_min=n_draft_min)

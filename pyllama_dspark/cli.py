@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", required=True, help='JSONL file: {"prompt": ...} or {"messages": [...]} lines')
     _add_sampling_args(bench)
     _add_draft_args(bench)
+    bench.add_argument("--no-consistent-numerics", dest="consistent_numerics", action="store_false",
+                       help="both runs without consistent numerics: a GPU's verify is then cheaper, and the "
+                            "speculative output may differ from plain decoding (token_match says)")
     _add_json_arg(bench, "the figures")
 
     batch = sub.add_parser("batch", parents=verbose, allow_abbrev=False,
@@ -488,7 +491,8 @@ def _cmd_bench(args) -> int:
                                 n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=args.prompt_lookup,
                                 n_threads=args.n_threads,
                                 n_ctx=args.n_ctx, n_batch=args.n_batch, n_gpu_layers=args.n_gpu_layers or 0,
-                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed):
+                                consistent_numerics=args.consistent_numerics, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, seed=args.seed):
             summary.results.append(result)
             st = result.stats
             ar = len(result.ar_tokens) / result.ar_t_decode if result.ar_t_decode else 0.0
@@ -498,7 +502,7 @@ def _cmd_bench(args) -> int:
                   f"match={'yes' if result.match else f'no (first mismatch at {result.first_mismatch})'}",
                   file=out, flush=True)
     print(summary.overall_line(), file=out)
-    _write_json(args, summary.as_dict())
+    _write_json(args, {**summary.as_dict(), "consistent_numerics": args.consistent_numerics})
     return 0
 
 

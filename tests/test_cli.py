@@ -59,6 +59,29 @@ def test_bench_reports_overall_and_json(pair, tmp_path):
         assert key in overall[0]
     data = json.loads(out.read_text())
     assert data["token_match"] == 2 and data["prompts"] == 2 and len(data["per_prompt"]) == 2
+    assert data["consistent_numerics"] is True
+
+
+def test_bench_without_consistent_numerics_says_so(pair, tmp_path, monkeypatch):
+    """--no-consistent-numerics reaches both contexts (a GPU's cheaper verify, output possibly not exact)."""
+    from pyllama_dspark import bench, cli as cli_module
+
+    target, drafter = pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello world"}\n')
+    modes = []
+    real_context = bench.Context
+
+    def recording_context(*args, **kwargs):
+        modes.append(kwargs.get("consistent_numerics", True))
+        return real_context(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "Context", recording_context)
+    out = tmp_path / "bench.json"
+    assert cli_module.main(["bench", "-m", str(target), "-md", str(drafter), "--prompts", str(prompts), "-n", "12",
+                            "--no-consistent-numerics", "--json", str(out)]) == 0
+    assert modes == [False, False]
+    assert json.loads(out.read_text())["consistent_numerics"] is False
 
 
 @pytest.mark.parametrize("args, message", [
