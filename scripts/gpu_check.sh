@@ -50,16 +50,17 @@ if [[ $vulkan_built -eq 0 ]]; then
     prompt_dir="$(mktemp -d)"
     .venv-vulkan/bin/python scripts/make_chat_prompts.py --out-dir "$prompt_dir" > /dev/null
     head -n 4 "$prompt_dir/held_out.jsonl" > "$prompt_dir/bench.jsonl"
+    { read -r target; read -r drafter; } < <(.venv-vulkan/bin/pyllama-dspark demo --paths)  # SmolLM2, bundled drafter
     for mode in on off; do
         flag=(); [[ $mode == off ]] && flag=(--no-consistent-numerics)
         step "vulkan: bench -ngl 99, consistent numerics $mode" 60 \
-            .venv-vulkan/bin/pyllama-dspark bench -ngl 99 -n "$n_predict" --prompts "$prompt_dir/bench.jsonl" \
-            "${flag[@]}" --json "build/gpu_check_bench_$mode.json"
+            .venv-vulkan/bin/pyllama-dspark bench -m "$target" -md "$drafter" -ngl 99 -n "$n_predict" \
+            --prompts "$prompt_dir/bench.jsonl" "${flag[@]}" --json "build/gpu_check_bench_$mode.json"
     done
     # exactness is the mode's promise: every prompt's speculative output equals plain decoding with it on
     step "vulkan: bench with the mode matched plain decoding" 10 .venv-vulkan/bin/python -c '
 import json, sys; d = json.load(open("build/gpu_check_bench_on.json"))
-print(f"token_match {d[\"token_match\"]}/{d[\"prompts\"]}"); sys.exit(d["token_match"] != d["prompts"])'
+print("token_match", d["token_match"], "of", d["prompts"]); sys.exit(d["token_match"] != d["prompts"])'
 fi
 
 if [[ $cuda_built -eq 0 ]]; then
