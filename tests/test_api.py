@@ -188,3 +188,102 @@ def test_load_passes_the_draft_cut_settings_on(target, drafter_path):
         assert llm.speculator.plain_tok_s_estimate() is None  # nothing measured yet
         llm.generate(PROMPT, max_tokens=16)
         assert llm.speculator.plain_tok_s_estimate() > 0
+
+
+TIMINGS = {"t_prefill", "t_decode", "decode_tok_s", "t_draft"}
+
+
+def without_timings(stats: dict) -> dict:
+    """The statistics that do not depend on the clock (every field but the times and rates of time)."""
+    out = {k: v for k, v in stats.items() if k not in TIMINGS}
+    if "by_source" in out:
+        out["by_source"] = {name: without_timings(share) for name, share in out["by_source"].items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def eog_targets(target, tmp_path_factory):
+    """{chat: the target with its end-of-generation token set to a token it generates after PROMPT (chat=False)
+    or after the chat-templated MESSAGES (chat=True), 8th or later and not generated before, so a completion
+    ends on "eog" there}."""
+    from conftest import copy_with_value
+
+    out = {}
+    with Model(target) as model:
+        for chat in (False, True):
+            prompt = model.apply_chat_template(MESSAGES) if chat else PROMPT
+            free = generate(Context(model, n_ctx=512), prompt, max_tokens=24, stop_at_eog=False).tokens
+            index = next(i for i in range(7, 24) if free[i] not in free[:i])
+            out[chat] = copy_with_value(target, tmp_path_factory.mktemp("eog") / "eog.gguf",
+                                        "tokenizer.ggml.eos_token_id", free[index])
+    return out
+
+
+FINISH_PATHS = ["length", "stop", "eog"]
+
+
+@pytest.mark.parametrize("with_drafter", [False, True], ids=["plain", "speculative"])
+@pytest.mark.parametrize("chat", [False, True], ids=["text", "chat"])
+@pytest.mark.parametrize("finish", FINISH_PATHS)
+def test_every_field_of_every_completion_dict_on_every_finish_path(target, eog_targets, drafter_path, with_drafter,
+                                                                   chat, finish):
+    """create_completion / create_chat_completion, whole and streamed, field by field against the facade's own
+    generate and stream with the same settings (literal constants for the OpenAI fields, the generation's
+    values for text, finish reason and usage, the clock-free statistics for ``speculative``)."""
+    import re
+    import time
+
+    path = eog_targets[chat] if finish == "eog" else target
+    # a fixed draft length: the cost-aware chooser learns across generations, so its rounds would differ per call
+    with pyllama_dspark.load(path, drafter=drafter_path if with_drafter else None, n_ctx=512, n_draft=3) as llm:
+        prompt = llm.model.apply_chat_template(MESSAGES) if chat else PROMPT
+        knobs = dict(max_tokens=24)
+        if finish == "stop":
+            text = llm.generate(prompt, max_tokens=24).text
+            knobs["stop"] = [text[9:12], "never in the output"]
+        reference = llm.generate(prompt, **knobs)
+        events = list(llm.stream(prompt, **knobs))
+        assert reference.stop_reason == {"length": "max_tokens", "stop": "stop", "eog": "eog"}[finish]
+        assert reference.finish_reason == {"length": "length", "stop": "stop", "eog": "stop"}[finish]
+        make = llm.create_chat_completion if chat else llm.create_completion
+        call = MESSAGES if chat else PROMPT
+        t0 = int(time.time())
+        out = make(call, **knobs)
+        chunks = list(make(call, stream=True, **knobs))
+        t1 = int(time.time())
+
+    prefix = "chatcmpl" if chat else "cmpl"
+    for head in [out] + chunks:
+        assert re.fullmatch(prefix + r"-[0-9a-f]{32}", head["id"]), head["id"]
+        assert t0 <= head["created"] <= t1 and type(head["created"]) is int
+    assert out["id"] != chunks[0]["id"] and all(c["id"] == chunks[0]["id"] for c in chunks)
+    assert all(c["created"] == chunks[0]["created"] for c in chunks)
+
+    finish_reason = reference.finish_reason
+    choice = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    choice.update({"message": {"role": "assistant", "content": reference.text}} if chat else {"text": reference.text})
+    expected = {"id": out["id"], "created": out["created"], "model": path.name,
+                "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": {"prompt_tokens": reference.n_prompt, "completion_tokens": len(reference.tokens),
+                          "total_tokens": reference.n_prompt + len(reference.tokens)}}
+    got = dict(out)
+    if with_drafter:
+        assert set(got["speculative"]) == set(reference.stats.as_dict())
+        assert without_timings(got.pop("speculative")) == without_timings(reference.stats.as_dict())
+    assert got == expected
+    assert reference.text and len(reference.tokens) > 0
+
+    def chunk(piece, finish_reason_=None, role=False):
+        if chat:
+            delta = {"role": "assistant"} if role else ({} if piece is None else {"content": piece})
+            body = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason_}
+        else:
+            body = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason_}
+        return {"id": chunks[0]["id"], "created": chunks[0]["created"], "model": path.name,
+                "object": "chat.completion.chunk" if chat else "text_completion", "choices": [body]}
+
+    wanted = [chunk(None, role=True)] if chat else []
+    wanted += [chunk(e.text) for e in events if e.text]
+    wanted.append(chunk(None, finish_reason))
+    assert events[-1].finish_reason == finish_reason
+    assert chunks == wanted
