@@ -15,13 +15,12 @@ without one it is plain decoding. Results and stream events are the same types e
 from __future__ import annotations
 
 import os
-import time
-import uuid
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from . import checks
 from .batching import BatchRequest, BatchScheduler
+from .completions import completion, completion_chunks, completion_head
 from .context import CancelToken, Context
 from .drafter import DSparkDrafter, PromptLookupDrafter
 from .errors import DecodeAbortedError
@@ -266,43 +265,11 @@ class LLM:
         return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
 
     def _completion(self, prompt, knobs: dict, stream: bool, *, chat: bool):
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": Path(self.model.path).name}
+        head = completion_head(chat=chat, model_name=Path(self.model.path).name)
         if stream:
-            return self._chunks(self._run(prompt, dict(knobs), stream=True), head, chat)
+            return completion_chunks(self._run(prompt, dict(knobs), stream=True), head, chat=chat)
         result = self._run(prompt, dict(knobs), stream=False)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-                      "finish_reason": result.finish_reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
-        out = {**head, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-               "usage": {"prompt_tokens": result.n_prompt, "completion_tokens": len(result.tokens),
-                         "total_tokens": result.n_prompt + len(result.tokens)}}
-        if self.speculator is not None:
-            out["speculative"] = result.stats.as_dict()
-        return out
-
-    def _chunks(self, events: Iterator[TokenEvent], head: dict, chat: bool) -> Iterator[dict]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(piece: str | None, finish: str | None, role: bool = False) -> dict:
-            if chat:
-                delta = {"role": "assistant"} if role else ({} if piece is None else {"content": piece})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            return {**head, "object": obj, "choices": [choice]}
-
-        if chat:
-            yield chunk(None, None, role=True)
-        for event in events:
-            if event.stop_reason is not None:  # the last event
-                if event.text:
-                    yield chunk(event.text, None)
-                yield chunk(None, event.finish_reason)
-            elif event.text:
-                yield chunk(event.text, None)
+        return completion(result, head, chat=chat, speculative=self.speculator is not None)
 
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:

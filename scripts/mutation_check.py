@@ -37,7 +37,7 @@ MODULES: dict[str, list[str]] = {
     "verify": ["tests/test_verify.py", "tests/test_rejection.py", "tests/test_speculative.py"],
     "checks": ["tests/test_checks.py", "tests/test_api.py", "tests/test_errors.py"],
     "chat": ["tests/test_chat.py"],
-    "api": ["tests/test_api.py"],
+    "completions": ["tests/test_completions.py", "tests/test_api.py"],  # the facade's OpenAI-shaped dicts
     "gguf_header": ["tests/test_gguf_header.py"],
     "server/protocol": ["tests/test_server.py"],
 }
