@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # module (under pyllama_dspark/) -> the test files that cover it
 MODULES: dict[str, list[str]] = {
-    "draft_length": ["tests/test_draft_length.py"],
+    "draft_length": ["tests/test_draft_length.py", "tests/test_cost_table.py", "tests/test_hybrid.py"],
     "stats": ["tests/test_stats.py"],
     "sampling": ["tests/test_sampling.py", "tests/test_rejection.py"],
     "verify": ["tests/test_verify.py", "tests/test_rejection.py", "tests/test_speculative.py"],

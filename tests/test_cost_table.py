@@ -1,0 +1,138 @@
+"""The draft-length chooser's cost table (draft_length.CostTable, StaticCostTable) against literal values: the
+priors, one measurement scaling them, a least-squares line through two or more (never falling, floored), the
+moving average, the refit schedule, what a measurement must be to count, and verify costs shared between
+tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyllama_dspark.draft_length import CostTable, StaticCostTable
+
+
+def verifies(table, n_max):
+    return [round(table.verify(n), 6) for n in range(n_max + 2)]
+
+
+def drafts(table, k_max):
+    return [round(table.draft(k), 6) for k in range(k_max + 1)]
+
+
+def test_a_fresh_table_is_the_priors_in_units_of_one_verify_row():
+    table = CostTable(3)  # verify prior (1.0, 0.5): 1 + 0.5 (n - 1); draft prior (0.2, 0.05): 0.2 + 0.05 (k - 1)
+    assert verifies(table, 3) == [0.5, 1.0, 1.5, 2.0, 2.5]
+    assert drafts(table, 3) == [0.0, 0.2, 0.25, 0.3]
+    np.testing.assert_allclose(table.round_seconds(2), [1.0, 1.7, 2.25])
+    assert table.measured("verify") == [] and table.measured("draft") == []
+
+
+def test_custom_priors_and_a_measured_one_row_verify_scale_the_draft_prior():
+    table = CostTable(2, verify_prior=(2.0, 1.0), draft_prior=(0.5, 0.25))
+    assert verifies(table, 2) == [1.0, 2.0, 3.0, 4.0]
+    assert drafts(table, 2) == [0.0, 0.5, 0.75]
+    table.observe(0, 0.0, 4.0)  # a verify of one row, no draft: the draft prior is in units of that
+    assert table.measured("verify") == [1] and table.measured("draft") == []
+    assert drafts(table, 2) == [0.0, 2.0, 3.0]
+
+
+def test_one_measurement_scales_the_prior_shape():
+    table = CostTable(3)
+    table.observe(1, 0.1, 0.6)  # a draft of 1 slot, a verify of 2 rows
+    assert table.measured("draft") == [1] and table.measured("verify") == [2]
+    assert verifies(table, 3) == [0.2, 0.4, 0.6, 0.8, 1.0]  # shape 0.5 1 1.5 2 2.5, scaled by 0.6 / 1.5
+    assert drafts(table, 3) == [0.0, 0.1, 0.125, 0.15]  # shape 0.2 0.25 0.3, scaled by 0.1 / 0.2
+
+
+def test_two_measurements_draw_a_line_not_falling_and_floored():
+    table = CostTable(3)
+    table.observe(0, 0.0, 1.0)
+    table.observe(2, 0.0, 2.0, k_drafted=0)  # no draft measured: k_drafted 0
+    assert verifies(table, 3) == [0.5, 1.0, 1.5, 2.0, 2.5]  # through (1, 1.0) and (3, 2.0)
+    assert table.measured("draft") == []
+    falling = CostTable(3)
+    falling.observe(0, 0.0, 2.0)
+    falling.observe(2, 0.0, 1.0, k_drafted=0)
+    assert verifies(falling, 3) == [1.5, 2.0, 1.5, 1.0, 1.5]  # flat at the mean where nothing is measured
+    steep = CostTable(3)
+    steep.observe(0, 0.0, 1.0)
+    steep.observe(1, 0.0, 3.0, k_drafted=0)
+    assert verifies(steep, 3) == [0.25, 1.0, 3.0, 5.0, 7.0]  # -1 at 0 rows, floored at a quarter of the least
+
+
+def test_repeated_measurements_are_a_moving_average_with_alpha():
+    table = CostTable(2)
+    table.observe(1, 0.1, 0.4)
+    table.observe(1, 0.3, 0.8)
+    assert table.verify(2) == pytest.approx(0.8 * 0.4 + 0.2 * 0.8)
+    assert table.draft(1) == pytest.approx(0.8 * 0.1 + 0.2 * 0.3)
+    half = CostTable(2, alpha=0.5)
+    half.observe(1, 0.1, 0.4)
+    half.observe(1, 0.3, 0.8)
+    assert half.verify(2) == pytest.approx(0.6) and half.draft(1) == pytest.approx(0.2)
+
+
+def test_the_fill_in_is_refitted_on_a_new_row_count_and_every_refit_every_rounds():
+    table = CostTable(3, refit_every=2)
+    table.observe(0, 0.0, 1.0)
+    table.observe(2, 0.0, 2.0, k_drafted=0)
+    assert table.verify(2) == pytest.approx(1.5)
+    table.observe(2, 0.0, 3.0, k_drafted=0)  # row 3 now 2.2; a known row count, one round since the fit: kept
+    assert table.verify(3) == pytest.approx(2.2) and table.verify(2) == pytest.approx(1.5)
+    table.observe(0, 0.0, 1.0)  # the second round since the fit: refitted through (1, 1.0) and (3, 2.2)
+    assert table.verify(2) == pytest.approx(1.6)
+
+
+@pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -0.1])
+def test_a_measurement_that_is_not_a_finite_non_negative_time_is_ignored(seconds):
+    table = CostTable(2)
+    table.observe(1, seconds, seconds)
+    assert table.measured("verify") == [] and table.measured("draft") == []
+    assert verifies(table, 2) == [0.5, 1.0, 1.5, 2.0]
+
+
+def test_zero_seconds_counts_and_row_counts_beyond_the_table_are_ignored():
+    table = CostTable(2)
+    table.observe(1, 0.0, 0.0)
+    assert table.measured("verify") == [2] and table.measured("draft") == [1]
+    table.observe(4, 1.0, 1.0)  # 5 rows and 4 slots: beyond n_max = 2 (counts 0..3 kept)
+    assert table.measured("verify") == [2] and table.measured("draft") == [1]
+    table.observe(3, 1.0, 1.0)  # 3 slots fit, 4 rows do not
+    assert table.measured("verify") == [2] and table.measured("draft") == [1, 3]
+    table.observe(2, 1.0, 1.0)  # 3 rows fit (the last row count)
+    assert table.measured("verify") == [2, 3] and table.measured("draft") == [1, 2, 3]
+
+
+def test_shared_verify_costs_are_read_and_updated_by_every_table():
+    target = CostTable(3)
+    other = CostTable(3, draft_prior=(0.1, 0.0))
+    other.share_verify(target)
+    target.observe(1, 0.1, 0.6)
+    assert other.measured("verify") == [2] and other.measured("draft") == []
+    assert verifies(other, 3) == verifies(target, 3) == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert drafts(other, 2) == [0.0, 0.1, 0.1]  # its own draft prior (no one-row verify measured: units of 1)
+    other.observe(2, 0.5, 1.2)
+    assert target.measured("verify") == [2, 3] and target.measured("draft") == [1]
+    assert target.verify(3) == pytest.approx(1.2) and target.verify(4) == pytest.approx(1.8)
+    third = CostTable(3)
+    third.share_verify(other)  # joins the same group
+    other.observe(0, 0.0, 0.3)
+    assert third.verify(1) == target.verify(1) == pytest.approx(0.3)
+    assert drafts(third, 2) == [0.0, 0.06, 0.075]  # its draft prior in units of the shared one-row verify
+
+
+def test_tables_for_different_row_counts_cannot_share():
+    with pytest.raises(ValueError) as err:
+        CostTable(3).share_verify(CostTable(5))
+    assert str(err.value) == "tables for different row counts (5 and 3 drafts) cannot share verify costs"
+
+
+def test_a_static_table_holds_the_given_costs_and_ignores_measurements():
+    table = StaticCostTable({1: 1.0, 2: 1.2, 3: 1.4}, {1: 0.1, 2: 0.2})
+    assert table.measured("verify") == [1, 2, 3] and table.measured("draft") == [1, 2]
+    assert [table.verify(n) for n in (1, 2, 3)] == [1.0, 1.2, 1.4]
+    assert drafts(table, 2) == [0.0, 0.1, 0.2]
+    table.observe(1, 5.0, 5.0)
+    assert table.verify(2) == 1.2 and table.draft(1) == 0.1
+    wide = StaticCostTable({1: 1.0, 2: 2.0}, {1: 0.1, 2: 0.2, 3: 0.3})  # n_max from the drafts: 3
+    assert wide.draft(3) == 0.3 and wide.verify(4) == pytest.approx(4.0)
