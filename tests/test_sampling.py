@@ -82,3 +82,9 @@ def test_top_p_over_a_large_vocabulary_equals_the_full_sort_bit_for_bit():
             logits = np.round(logits, rounding)  # many exact ties, at the nucleus' edge too
         got = probabilities(logits, SamplingParams(temperature=0.8, top_p=top_p))
         np.testing.assert_array_equal(got, full_sort(logits.astype(np.float64), 0.8, top_p))
+
+
+def test_greedy_probabilities_are_one_at_the_first_maximum():
+    """Temperature 0: all the mass on the first index of the maximum (llama.cpp's greedy choice), as float64."""
+    p = probabilities(np.array([0.5, 2.0, 2.0, -1.0], dtype=np.float32), SamplingParams(temperature=0.0))
+    assert p.dtype == np.float64 and p.tolist() == [0.0, 1.0, 0.0, 0.0]
