@@ -88,3 +88,53 @@ def test_greedy_probabilities_are_one_at_the_first_maximum():
     """Temperature 0: all the mass on the first index of the maximum (llama.cpp's greedy choice), as float64."""
     p = probabilities(np.array([0.5, 2.0, 2.0, -1.0], dtype=np.float32), SamplingParams(temperature=0.0))
     assert p.dtype == np.float64 and p.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature must be >= 0, got -0.1"),
+    (dict(temperature=float("nan")), "temperature must be >= 0, got nan"),
+    (dict(top_k=-1), "top_k must be >= 0, got -1"),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
+])
+def test_sampling_params_refusals_name_the_knob(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        SamplingParams(**kwargs)
+    assert str(err.value) == message
+
+
+def test_the_edges_of_the_knobs_are_accepted():
+    assert SamplingParams(temperature=0.0, top_k=0, top_p=1.0).greedy
+    assert not SamplingParams(temperature=1e-6).greedy
+
+
+def test_top_k_of_one_keeps_only_the_maximum_and_the_result_is_float64():
+    logits = np.array([0.1, 3.0, 2.9, -2.0], dtype=np.float32)
+    assert probabilities(logits, SamplingParams(temperature=1.0, top_k=1)).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert probabilities(logits, SamplingParams(temperature=1.0)).dtype == np.float64
+
+
+class ScriptedRng:
+    def __init__(self, values):
+        self.values = list(values)
+
+    def random(self):
+        return self.values.pop(0)
+
+
+@pytest.mark.parametrize("probs, uniforms, expected", [
+    ([0.25, 0.25, 0.5], [0.0, 0.25, 0.4999, 0.5, 0.9999], [0, 1, 1, 2, 2]),  # a draw on a boundary goes right
+    ([1.0, 1.0, 2.0], [0.2, 0.5, 0.6], [0, 2, 2]),  # unnormalised: r scales with the total (r = 0.8, 2.0, 2.4)
+    ([0.5, 0.5], [1.0], [1]),                        # never past the last index
+])
+def test_draw_is_the_inverse_cdf_of_one_uniform(probs, uniforms, expected):
+    sampler = Sampler(SamplingParams(temperature=1.0))
+    sampler.rng = ScriptedRng(uniforms)
+    assert [sampler.draw(np.array(probs)) for _ in uniforms] == expected
+
+
+def test_the_seed_fixes_the_draws():
+    logits = np.zeros(100)
+    first, same, other = ([sampler(logits) for _ in range(20)] for sampler in
+                          (Sampler(SamplingParams(temperature=1.0, seed=seed)) for seed in (5, 5, 6)))
+    assert first == same and first != other
