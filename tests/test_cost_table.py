@@ -136,3 +136,25 @@ def test_a_static_table_holds_the_given_costs_and_ignores_measurements():
     assert table.verify(2) == 1.2 and table.draft(1) == 0.1
     wide = StaticCostTable({1: 1.0, 2: 2.0}, {1: 0.1, 2: 0.2, 3: 0.3})  # n_max from the drafts: 3
     assert wide.draft(3) == 0.3 and wide.verify(4) == pytest.approx(4.0)
+
+
+def test_a_static_table_is_sized_by_its_largest_verify_or_draft():
+    """n_max = the largest verify row count - 1, or the largest draft if more (0 without drafts): a table shares
+    verify costs only with one of the same size, whose size the refusal names."""
+    StaticCostTable({1: 1.0}, {}).share_verify(CostTable(0))
+    StaticCostTable({1: 1.0, 2: 1.5, 3: 2.0}, {1: 0.1}).share_verify(CostTable(2))
+    with pytest.raises(ValueError) as err:
+        StaticCostTable({1: 1.0}, {}).share_verify(CostTable(1))
+    assert str(err.value) == "tables for different row counts (1 and 0 drafts) cannot share verify costs"
+    with pytest.raises(ValueError) as err:
+        StaticCostTable({1: 1.0, 2: 1.5, 3: 2.0}, {}).share_verify(CostTable(3))
+    assert str(err.value) == "tables for different row counts (3 and 2 drafts) cannot share verify costs"
+
+
+def test_a_chooser_takes_zero_drafts_and_refuses_fewer():
+    from pyllama_dspark.draft_length import DraftLengthChooser
+
+    assert DraftLengthChooser(k_max=0).best() == 0
+    with pytest.raises(ValueError) as err:
+        DraftLengthChooser(k_max=-1)
+    assert str(err.value) == "k_max must be >= 0, got -1"
