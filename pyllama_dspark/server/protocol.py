@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 import math
 import numbers
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping
+
+from ..completions import chunk_object, completion, completion_chunk, completion_head, usage
 
 
 class APIError(Exception):
@@ -231,33 +231,21 @@ def _json_type(value: Any) -> str:
 
 # --- responses ------------------------------------------------------------------------------------------------
 class ResponseShape:
-    """Builds one request's response or chunks: ids, object names, choice shape, usage and statistics."""
+    """Builds one request's response or chunks (``completions.py``'s, with ``timings``): one id and creation time
+    for all of them, the object names, usage and statistics."""
 
     def __init__(self, req: CompletionRequest, model_id: str, *, speculative: bool):
         self.req, self.model_id, self.speculative = req, model_id, speculative
-        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id}
+        self.head = completion_head(chat=req.chat, model_name=model_id)
 
     def completion(self, result) -> dict:
         """The non-streaming response for a ``GenerationResult``."""
-        if self.req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-                      "finish_reason": result.finish_reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
-        return {**self._head("chat.completion" if self.req.chat else "text_completion"), "choices": [choice],
-                "usage": usage(result), **self.extras(result)}
+        return {**completion(result, self.head, chat=self.req.chat, speculative=False), **self.extras(result)}
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
-        if self.req.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-        return {**self._head("text_completion"), "choices": [choice]}
+        """A stream chunk; ``role``: chat's opening one, ``{"role": "assistant", "content": ""}`` as OpenAI sends."""
+        return completion_chunk(self.head, text, finish_reason, chat=self.req.chat,
+                                opening={"role": "assistant", "content": ""} if role else None)
 
     def final_chunk(self, result) -> dict:
         """The chunk with the finish reason; it also carries ``timings`` (and ``speculative``)."""
@@ -265,19 +253,13 @@ class ResponseShape:
 
     def usage_chunk(self, result) -> dict:
         """``stream_options.include_usage``: no choices, the usage."""
-        obj = "chat.completion.chunk" if self.req.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(result)}
+        return {**self.head, "object": chunk_object(self.req.chat), "choices": [], "usage": usage(result)}
 
     def extras(self, result) -> dict:
         out = {"timings": timings(result.stats)}
         if self.speculative:
             out["speculative"] = result.stats.as_dict()
         return out
-
-
-def usage(result) -> dict:
-    n_prompt, n_generated = result.n_prompt, len(result.tokens)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated}
 
 
 def timings(stats) -> dict:
