@@ -76,10 +76,7 @@ class GGUFHeader:
             return default
         v = self.fields[key]
         if isinstance(v, StringArray):
-            saved, self._pos = self._pos, v.offset
-            out = [self._string() for _ in range(v.count)]
-            self._pos = saved
-            return out
+            return [raw.decode("utf-8", errors="replace") for raw in self.raw_strings(key)]
         return v.tolist() if isinstance(v, np.ndarray) else v
 
     def raw_strings(self, key: str) -> list[bytes]:
@@ -113,7 +110,10 @@ class GGUFHeader:
         import gguf
 
         qtype = gguf.GGMLQuantizationType(self.tensors[name].ggml_type)
-        return np.asarray(gguf.quants.dequantize(self.tensor_data(name), qtype), dtype=np.float64)
+        data = self.tensor_data(name)
+        if qtype.name in _NUMPY_OF_PLAIN_TYPE:  # gguf-py dequantizes only F32/F16 of these
+            return data.astype(np.float64)
+        return np.asarray(gguf.quants.dequantize(data, qtype), dtype=np.float64)
 
     # --- parsing -----------------------------------------------------------------------
     def _parse(self) -> None:
@@ -177,8 +177,7 @@ class GGUFHeader:
 
     def _value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
-            v = self._scalar(_SCALARS[vtype][0])
-            return bool(v) if vtype == 7 else v
+            return self._scalar(_SCALARS[vtype][0])  # struct's "?" gives a bool
         if vtype == _STRING:
             return self._string()
         if vtype != _ARRAY:
