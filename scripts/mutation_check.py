@@ -31,13 +31,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # module (under pyllama_dspark/) -> the test files that cover it
 MODULES: dict[str, list[str]] = {
-    "draft_length": ["tests/test_draft_length.py", "tests/test_cost_table.py", "tests/test_hybrid.py"],
+    "draft_length": ["tests/test_draft_length.py", "tests/test_cost_table.py", "tests/test_chooser.py",
+                     "tests/test_hybrid.py"],
     "stats": ["tests/test_stats.py"],
     "sampling": ["tests/test_sampling.py", "tests/test_rejection.py"],
     "verify": ["tests/test_verify.py", "tests/test_rejection.py", "tests/test_speculative.py"],
     "checks": ["tests/test_checks.py", "tests/test_api.py", "tests/test_errors.py"],
     "chat": ["tests/test_chat.py"],
-    "completions": ["tests/test_completions.py", "tests/test_api.py"],  # the facade's OpenAI-shaped dicts
+    # the facade's and the server's OpenAI-shaped dicts
+    "completions": ["tests/test_completions.py", "tests/test_protocol.py", "tests/test_api.py"],
     "gguf_header": ["tests/test_gguf_header.py"],
     "server/protocol": ["tests/test_protocol.py"],  # test_server.py runs the same over HTTP: minutes per mutant
 }

@@ -1,0 +1,228 @@
+"""The draft-length and draft-source choosers' decisions (draft_length.DraftLengthChooser, SourceChooser) against
+literal costs (StaticCostTable) and literal acceptances: caps, the every-probe_every extra slot, the probe schedule
+at plain steps (its doubling, its cap of 64, its reset), the confidence cut, what reaches the cost table, and
+which source drafts. test_draft_length.py and test_hybrid.py run the same choosers inside the loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyllama_dspark.draft_length import (CostTable, DraftLengthChooser, SourceChooser, StaticCostTable,
+                                         expected_tokens_by_k)
+
+# drafting is free and verifying up to 2 rows costs as much as 1: at acceptance 0.8 the best is k = 1
+# (rates 1, 1.8, 2.44 / 2, 2.952 / 3, 3.36 / 4)
+BEST_ONE = dict(verify={1: 1.0, 2: 1.0, 3: 2.0, 4: 3.0, 5: 4.0}, draft={1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0})
+# verify rows are free past the first: the best is always the longest draft
+BEST_ALL = dict(verify={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, draft={1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0})
+# one draft pays when slot 0's acceptance is above 0.2 (break-even (0 + 1.2) / 1 - 1); two never do
+ONE_IF_ABOVE_0_2 = dict(verify={1: 1.0, 2: 1.2, 3: 100.0}, draft={1: 0.0, 2: 0.0})
+
+
+def chooser(costs: dict, k_max: int = 4, **kwargs) -> DraftLengthChooser:
+    out = DraftLengthChooser(k_max, **kwargs)
+    out.costs = StaticCostTable(**costs)
+    return out
+
+
+def plain_steps_before_a_probe(c: DraftLengthChooser, cap: int | None = None, limit: int = 200) -> int:
+    """How many plain steps (plan() == 0) come before the next probe (plan() == 1)."""
+    for steps in range(limit):
+        k = c.plan(cap)
+        if k:
+            assert k == 1
+            return steps
+    raise AssertionError(f"no probe in {limit} plans")
+
+
+def test_plan_honours_the_cap_and_drafts_one_slot_more_every_probe_every_rounds():
+    c = chooser(BEST_ONE, probe_every=3)
+    assert c.best() == 1 and c.best(0) == 0
+    assert [c.plan() for _ in range(6)] == [1, 1, 2, 1, 1, 2]  # the third, sixth, ... round measures slot 2
+    c = chooser(BEST_ALL, probe_every=100)
+    assert c.best() == 4 and c.best(2) == 2 and c.best(9) == 4
+    assert [c.plan(2), c.plan(1), c.plan(None), c.plan(7)] == [2, 1, 4, 4]
+    c = chooser(BEST_ALL, probe_every=1)  # the extra slot never passes the cap
+    assert [c.plan(2), c.plan(4), c.plan()] == [2, 4, 4]
+    c = chooser(BEST_ONE, probe_every=1)
+    assert [c.plan(1), c.plan(3)] == [1, 2]
+
+
+def test_plan_drafts_nothing_and_never_probes_when_nothing_may_be_drafted():
+    for cap in (0, -1):
+        c = chooser(BEST_ALL, probe_every=2)
+        assert [c.plan(cap) for _ in range(10)] == [0] * 10
+    assert chooser(BEST_ALL, k_max=0).plan() == 0
+
+
+def test_best_rate_is_the_expected_tokens_per_unit_of_cost():
+    c = chooser(BEST_ONE)
+    assert c.best_rate() == (1, pytest.approx(1.8))
+    assert c.best_rate(0) == (0, pytest.approx(1.0)) and c.best_rate(-3) == (0, pytest.approx(1.0))
+    c = chooser(BEST_ALL)
+    assert c.best_rate(3) == (3, pytest.approx(2.952)) and c.best_rate(0) == (0, 1.0)
+
+
+def test_at_plain_steps_a_probe_comes_every_probe_every_steps():
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.1, probe_every=3)
+    assert c.best() == 0
+    assert [c.plan() for _ in range(9)] == [0, 0, 1, 0, 0, 1, 0, 0, 1]
+    # plain rounds observed as such (k = 0) are no rejected probes: the schedule stays
+    for _ in range(20):
+        c.observe_round(0, 0, 0.0, 1.0)
+    assert plain_steps_before_a_probe(c) == 2
+
+
+def test_rejected_probes_double_the_gap_up_to_64():
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.1, probe_every=3)
+    gaps = []
+    for _ in range(8):
+        gaps.append(plain_steps_before_a_probe(c) + 1)
+        c.observe_acceptance(1, 0)
+    assert gaps == [3, 6, 12, 24, 48, 64, 64, 64]
+
+
+def test_a_slow_average_at_the_break_even_does_not_slow_the_probes():
+    # slow_alpha 0 holds the slow average at the prior, which is the break-even exactly
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.2, probe_every=2, slow_alpha=0.0)
+    assert c.break_even() == pytest.approx(0.2) and c.best() == 0
+    for _ in range(3):
+        assert plain_steps_before_a_probe(c) == 1
+        c.observe_acceptance(1, 0)
+    below = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.19, probe_every=2, slow_alpha=0.0)
+    below.observe_acceptance(1, 0)
+    assert plain_steps_before_a_probe(below) == 3
+
+
+def test_accepted_probes_raise_the_slow_average_and_drafting_that_pays_resets_the_gap():
+    # accepted probes lift the slow average over the break-even: the next rejected probe does not double the gap
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.1, alpha=0.01, probe_every=2, slow_alpha=0.5)
+    c.observe_acceptance(1, 1)  # slow: 0.1 -> 0.55; slot 0: 0.1 -> 0.109, still no drafting
+    assert c.best() == 0
+    c.observe_acceptance(1, 0)  # slow 0.275 >= 0.2
+    assert plain_steps_before_a_probe(c) == 1
+    # a gap doubled by rejections goes back to probe_every once one draft pays, even if it pays by one slot only
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.1, alpha=0.5, probe_every=2)
+    c.observe_acceptance(1, 0)  # slot 0: 0.05, gap 4
+    assert plain_steps_before_a_probe(c) == 3
+    c.observe_acceptance(1, 1)  # slot 0: 0.525, best() == 1: gap back to 2
+    assert c.best() == 1
+    c.observe_acceptance(1, 0)  # slot 0: 0.2625, best() still 1: gap 2
+    c.observe_acceptance(1, 0)  # slot 0: 0.13125, best() 0: a rejected probe doubles 2 -> 4
+    assert c.best() == 0 and plain_steps_before_a_probe(c) == 3
+
+
+def test_acceptance_averages_move_by_alpha_on_the_slots_reached():
+    c = chooser(BEST_ALL, k_max=3, accept_prior=0.8, alpha=0.5)
+    c.observe_acceptance(3, 1)  # slot 0 accepted, slot 1 rejected, slot 2 never reached
+    np.testing.assert_allclose(c.accept, [0.9, 0.4, 0.8])
+    c.observe_acceptance(0, 0)  # nothing checked: nothing moves
+    np.testing.assert_allclose(c.accept, [0.9, 0.4, 0.8])
+    # a proposal longer than k_max (a free source's) moves the k_max slots there are
+    c.observe_acceptance(6, 6)
+    np.testing.assert_allclose(c.accept, [0.95, 0.7, 0.9])
+
+
+def test_the_cut_keeps_the_prefix_with_the_best_rate_and_clips_confidences():
+    c = chooser(dict(verify={1: 1.0, 2: 1.0, 3: 2.0, 4: 3.5}, draft={1: 0.0, 2: 0.0, 3: 0.0}), k_max=3)
+    assert c.cut(None, 3, 0.1) == 3 and c.cut(np.array([0.0, 0.0, 0.0]), 1, 0.0) == 1
+    assert c.cut(np.array([0.0, 0.0]), 0, 0.0) == 0
+    assert c.cut(np.array([0.9, 0.0]), 2, 0.0) == 1  # rates 1.9 / 1, 1.9 / 2
+    assert c.cut(np.array([0.9, 0.99]), 2, 0.0) == 1  # 1.9, 2.791 / 2
+    assert c.cut(np.array([1.0, 1.0, 1.0]), 3, 0.0) == 1  # 2 / 1, 3 / 2, 4 / 3.5
+    assert c.cut(np.array([1.0, 1.0, 1.0]), 3, 10.0) == 3  # the spent draft time makes long blocks pay
+    # confidences outside [0, 1] count as their bound
+    assert c.cut(np.array([1.0, 3.0, 3.0]), 3, 0.0) == 1
+    flat = chooser(dict(verify={1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}, draft={1: 0.0, 2: 0.0, 3: 0.0}), k_max=3)
+    assert flat.cut(np.array([-1.0, -1.0, 1.0]), 3, 0.0) == 1
+    assert flat.cut(np.array([1.0, 1.0, 1.0, 1.0]), 2, 0.0) == 2  # only the drafted slots count
+
+
+def test_expected_tokens_multiply_in_float64_whatever_the_input_dtype():
+    accept = np.array([0.1, 0.3, 0.7], dtype=np.float32)
+    wide = accept.astype(np.float64)
+    want = [1.0, 1 + wide[0], 1 + wide[0] + wide[0] * wide[1], 1 + wide[0] + wide[0] * wide[1]
+            + wide[0] * wide[1] * wide[2]]
+    got = expected_tokens_by_k(accept)
+    assert got.dtype == np.float64
+    np.testing.assert_array_equal(got, want)
+
+
+def test_observe_round_hands_the_drafted_count_to_the_cost_table():
+    c = DraftLengthChooser(4)
+    c.observe_round(2, 1, 0.3, 1.0, k_drafted=4)  # 4 drafted, 2 kept by the cut, 3 rows verified
+    assert c.costs.measured("draft") == [4] and c.costs.measured("verify") == [3]
+    c.observe_round(1, 1, 0.1, 1.0)  # k_drafted defaults to k
+    assert c.costs.measured("draft") == [1, 4] and c.costs.measured("verify") == [2, 3]
+    sources = SourceChooser({"a": 4, "b": 4})
+    sources.observe_round("b", 1, 0, 0.2, 1.0, k_drafted=3)
+    assert sources.choosers["b"].costs.measured("draft") == [3] and sources.choosers["a"].costs.measured("draft") == []
+    assert sources.choosers["a"].costs.measured("verify") == [2]  # verify costs are shared
+
+
+def test_a_new_draft_row_count_refits_even_when_the_verify_row_is_known():
+    table = CostTable(4)
+    table.observe(1, 0.1, 1.0)  # draft 1, verify 2: both new
+    table.observe(1, 0.3, 1.0, k_drafted=2)  # draft 2 new, verify 2 known: the draft line is refitted now
+    assert table.draft(3) == pytest.approx(0.5)  # the line through (1, 0.1) and (2, 0.3)
+
+
+def test_measurements_that_are_ignored_do_not_refit():
+    table = CostTable(4)
+    table.observe(1, 0.1, 1.0)
+    before = table.verify(3)
+    table.observe(1, 0.1, 3.0)  # verify 2 averaged (1.4): no new row count, no refit before refit_every rounds
+    table.observe(1, float("nan"), 3.0)  # an ignored draft time is not a new row count either
+    table.observe(9, 0.1, 3.0, k_drafted=0)  # nor a row count past the table
+    assert table.verify(3) == before and table.verify(2) == pytest.approx(0.8 * (0.8 * 1.0 + 0.2 * 3.0) + 0.2 * 3.0)
+
+
+def test_the_default_refit_comes_every_32_rounds():
+    table = CostTable(4)
+    table.observe(1, 0.1, 1.0)
+    before = table.verify(3)
+    for _ in range(31):
+        table.observe(1, 0.1, 2.0)
+    assert table.verify(3) == before  # 31 rounds since the last fit
+    table.observe(1, 0.1, 2.0)
+    assert table.verify(3) == pytest.approx(table.verify(2) * 2.0 / 1.5)  # refitted: the prior's shape, rescaled
+
+
+def test_a_source_chooser_needs_a_source():
+    with pytest.raises(ValueError, match="^a SourceChooser needs at least one source$"):
+        SourceChooser({})
+
+
+def source_chooser(costs: dict, **accept: float) -> SourceChooser:
+    out = SourceChooser({name: 4 for name in accept})
+    for name, value in accept.items():
+        out.choosers[name].costs = StaticCostTable(**costs)
+        out.choosers[name].accept[:] = value
+        out.choosers[name].probe_every = 100
+    return out
+
+
+def test_the_source_with_the_best_rate_drafts_within_its_cap():
+    sources = source_chooser(BEST_ALL, a=0.5, b=0.9)
+    assert sources.choose({"a": 4, "b": 4}) == ("b", 4)
+    assert sources.choose({"a": 4, "b": 2}) == ("b", 2)  # b's cap: 2 at 0.9 still beats 4 at 0.5
+    assert sources.choose({"a": 4}) == ("a", 4)
+    assert sources.choose({"a": 4, "b": 0}) == ("a", 4)
+    assert sources.choose({"b": 0}) == ("b", 0)  # a cap of 0 drafts nothing, and probes nothing
+    assert sources.choose({"b": -2}) == ("b", 0)
+    assert sources.choose({}) == ("b", 0)
+
+
+def test_a_free_source_that_drafts_one_slot_is_chosen():
+    sources = source_chooser(BEST_ONE, a=0.8)
+    assert sources.choosers["a"].best() == 1
+    assert sources.choose({"a": 4}, free={"a"}) == ("a", 1)
+
+
+def test_when_no_source_drafts_the_last_one_asked_is_returned():
+    never = dict(verify={1: 1.0, 2: 5.0, 3: 9.0, 4: 13.0, 5: 17.0}, draft={1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0})
+    sources = source_chooser(never, a=0.3, b=0.3)
+    assert sources.choose({"a": 4, "b": 4}) == ("b", 0)
+    assert sources.choose({"a": 4, "b": 4}, free={"a", "b"}) == ("b", 0)
+    assert sources.choose({"a": 4, "b": 4}, free={"b"}) == ("a", 0)
