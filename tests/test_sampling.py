@@ -138,3 +138,71 @@ def test_the_seed_fixes_the_draws():
     first, same, other = ([sampler(logits) for _ in range(20)] for sampler in
                           (Sampler(SamplingParams(temperature=1.0, seed=seed)) for seed in (5, 5, 6)))
     assert first == same and first != other
+
+
+def full_stable_order(probs: np.ndarray) -> np.ndarray:
+    return np.argsort(-probs, kind="stable")
+
+
+def test_most_likely_first_sorts_only_the_candidates_above_the_boundary_when_they_reach_top_p():
+    from pyllama_dspark.sampling import _most_likely_first
+
+    # 0.5, 0.25, 0.125 are exact in binary: their mass is 0.875 exactly
+    probs = np.array([0.03, 0.5, 0.01, 0.25, 0.01, 0.125, 0.01, 0.005, 0.01, 0.005, 0.005, 0.0375])
+    assert _most_likely_first(probs, 0.5, candidates=4).tolist() == [1, 3, 5]  # not id 11, the 4th largest
+    assert _most_likely_first(probs, 0.875, candidates=4).tolist() == [1, 3, 5]  # the mass reaches top_p exactly
+    # past the candidates' mass, or with no more ids than candidates: the full stable sort
+    assert _most_likely_first(probs, 0.9, candidates=4).tolist() == full_stable_order(probs).tolist()
+    assert _most_likely_first(probs, 0.5, candidates=12).tolist() == full_stable_order(probs).tolist()
+    assert _most_likely_first(probs, 0.5, candidates=11).tolist() == [1, 3, 5, 11, 0, 2, 4, 6, 8]  # not the 0.005s
+    # the 4th and 5th largest tie: neither is taken, whichever the partition picked
+    tied = np.array([0.5, 0.2, 0.05, 0.2, 0.05, 0.0, 0.0])
+    assert _most_likely_first(tied, 0.6, candidates=4).tolist() == [0, 1, 3]
+    # every candidate ties: none is above the boundary, so the full sort
+    flat = np.full(9, 1 / 9)
+    assert _most_likely_first(flat, 0.5, candidates=3).tolist() == list(range(9))
+
+
+def test_most_likely_first_breaks_ties_by_id_like_the_full_stable_sort():
+    from pyllama_dspark.sampling import _most_likely_first
+
+    rng = np.random.default_rng(5)
+    fast_paths = 0
+    for trial in range(300):
+        size = int(rng.integers(6, 60))
+        probs = np.round(rng.exponential(size=size) ** 3, 1) + 1e-3  # many exact ties
+        probs /= probs.sum()
+        top_p = float(rng.uniform(0.05, 1.0))
+        candidates = int(rng.integers(2, size))
+        got = _most_likely_first(probs, top_p, candidates=candidates)
+        want = full_stable_order(probs)
+        cut = int(np.searchsorted(np.cumsum(probs[want]), top_p)) + 1
+        assert got[:cut].tolist() == want[:cut].tolist(), trial
+        np.testing.assert_array_equal(np.cumsum(probs[got])[:cut], np.cumsum(probs[want])[:cut])
+        if len(got) < size:
+            fast_paths += 1
+            assert np.cumsum(probs[got])[-1] >= top_p
+    assert fast_paths > 50  # the partition path was taken, not only the full sort
+
+
+def test_top_p_over_more_than_1024_tokens_equals_the_full_sort():
+    """probabilities() itself on a vocabulary just past the 1024 candidates (the 49k test above is the real size)."""
+    rng = np.random.default_rng(1)
+    for scale, top_p in [(6.0, 0.9), (0.05, 0.5), (3.0, 0.999)]:
+        logits = np.round(rng.standard_normal(1500) * scale, 1)
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        order = full_stable_order(probs)
+        cut = int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1
+        want = np.zeros_like(probs)
+        want[order[:cut]] = probs[order[:cut]]
+        np.testing.assert_array_equal(probabilities(logits, SamplingParams(temperature=1.0, top_p=top_p)),
+                                      want / want.sum())
+
+
+def test_top_p_of_one_keeps_even_negligible_tokens():
+    # the cumulative sum reaches 1.0 at the first token already: a nucleus cut would drop the second
+    p = probabilities(np.array([0.0, -50.0, -60.0]), SamplingParams(temperature=1.0, top_p=1.0))
+    assert p[1] == pytest.approx(np.exp(-50.0)) and p[2] > 0.0
+    cut = probabilities(np.array([0.0, -50.0, -60.0]), SamplingParams(temperature=1.0, top_p=0.999999))
+    assert cut.tolist() == [1.0, 0.0, 0.0]
