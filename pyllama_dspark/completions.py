@@ -5,9 +5,9 @@ context): what ``LLM.create_completion`` / ``create_chat_completion`` return, in
     reply = completion(result, head, chat=True, speculative=True)
     for chunk in completion_chunks(events, head, chat=True): ...
 
-The server (``server/protocol.py``) builds its responses from the same functions, adding llama-server's
-``timings``; its opening chat delta carries ``"content": ""`` as OpenAI's does, the facade's does not, as
-llama-cpp-python's does not.
+The server (``server/protocol.py``) builds its responses from the same functions and adds llama-server's
+``timings``. Its opening chat delta is OpenAI's ``{"role": "assistant", "content": ""}``; the facade's is
+llama-cpp-python's ``{"role": "assistant"}``.
 """
 
 from __future__ import annotations
