@@ -62,7 +62,6 @@ class GGUFHeader:
             if size < 24:
                 raise GGUFFormatError(f"{self.path.name}: {size} bytes is too short for a GGUF header")
             self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        self._pos = 0
         try:
             self._parse()
         except struct.error as exc:

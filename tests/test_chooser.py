@@ -84,13 +84,14 @@ def test_rejected_probes_double_the_gap_up_to_64():
 
 
 def test_a_slow_average_at_the_break_even_does_not_slow_the_probes():
-    # slow_alpha 0 holds the slow average at the prior, which is the break-even exactly
-    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.2, probe_every=2, slow_alpha=0.0)
-    assert c.break_even() == pytest.approx(0.2) and c.best() == 0
+    # slow_alpha 0 holds the slow average at the prior, which is the break-even exactly: (0 + 1.5) / 1 - 1
+    half = dict(verify={1: 1.0, 2: 1.5, 3: 100.0}, draft={1: 0.0, 2: 0.0})
+    c = chooser(half, k_max=2, accept_prior=0.5, probe_every=2, slow_alpha=0.0)
+    assert c.break_even() == 0.5 and c.best() == 0  # one draft at 0.5 pays exactly as much as a plain step
     for _ in range(3):
         assert plain_steps_before_a_probe(c) == 1
         c.observe_acceptance(1, 0)
-    below = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.19, probe_every=2, slow_alpha=0.0)
+    below = chooser(half, k_max=2, accept_prior=0.49, probe_every=2, slow_alpha=0.0)
     below.observe_acceptance(1, 0)
     assert plain_steps_before_a_probe(below) == 3
 

@@ -283,3 +283,39 @@ def test_values_that_end_exactly_at_the_end_of_the_file_are_whole(tmp_path):
         GGUFHeader(write(tmp_path, content[:16] + struct.pack("<Q", len(content))))
     with pytest.raises(GGUFFormatError, match="ends early"):
         GGUFHeader(write(tmp_path, content[:8] + struct.pack("<Q", len(content)) + content[16:]))
+
+
+def test_counts_lengths_and_types_are_unsigned(tmp_path):
+    """Every count, length, type and offset is an unsigned integer: values with the top bit set are huge, never
+    negative (a negative length would walk the parser backwards)."""
+    big32, big64 = 2**32 - 1, 2**64 - 1
+    refused(tmp_path, gguf_bytes(version=2**31 + 3), f"GGUF version {2**31 + 3} is not supported (2 or 3)")
+    refused(tmp_path, gguf_bytes(n_tensors=big64), f"implausible counts ({big64} tensors, 0 keys)")
+    refused(tmp_path, gguf_bytes(n_kv=2**63), f"implausible counts (0 tensors, {2**63} keys)")
+    refused(tmp_path, gguf_bytes([key_value("k", big32, b"\0" * 8)]), f"unknown value type {big32} at byte 33")
+    refused(tmp_path, gguf_bytes([struct.pack("<Q", big64) + b"k" * 8]),
+            f"a string of {big64} bytes runs past the end of the file")
+    refused(tmp_path, gguf_bytes([array("k", big32, 0, b"")]), f"arrays of value type {big32} are not supported")
+    refused(tmp_path, gguf_bytes([array("k", U8, big64, b"\0" * 8)]),
+            f"an array of {big64} values runs past the end of the file")
+    refused(tmp_path, gguf_bytes([array("k", STRING, 2, struct.pack("<Q", big64) + b"abcdefgh" * 4)]),
+            "a string array runs past the end of the file")
+    entry = gguf_string("w") + struct.pack("<I", big32) + struct.pack("<Q", 4) * 4
+    refused(tmp_path, gguf_bytes(tensors=[entry], data=b"\0" * 64), f"tensor w has {big32} dimensions")
+    refused(tmp_path, gguf_bytes(tensors=[tensor_entry("w", (4,), big32, 0)], data=b"\0" * 16),
+            f"tensor w has unknown type {big32}")
+    refused(tmp_path, gguf_bytes(tensors=[tensor_entry("w", (4,), 0, big64 - 15)], data=b"\0" * 64),
+            "tensor w runs past the end of the file (truncated?)")
+    # a size whose element count overflows 64 bits is still far past the end of the file
+    refused(tmp_path, gguf_bytes(tensors=[tensor_entry("w", (2**32, 2**32), 0, 0)], data=b"\0" * 64),
+            "tensor w runs past the end of the file (truncated?)")
+
+
+def test_block_tensors_of_three_dimensions_and_dequantized_dtypes(tmp_path):
+    block = np.float16(0.25).tobytes() + np.arange(32, dtype=np.int8).tobytes()
+    header = GGUFHeader(write(tmp_path, gguf_bytes(tensors=[tensor_entry("q", (32, 2, 3), 8, 0)], data=block * 6)))
+    data = header.tensor_data("q")
+    assert data.shape == (3, 2, 34) and data.dtype == np.uint8
+    dequantized = header.dequantized("q")
+    assert dequantized.dtype == np.float64 and dequantized.shape == (3, 2, 32)
+    np.testing.assert_array_equal(dequantized, np.broadcast_to(np.arange(32) / 4, (3, 2, 32)))

@@ -142,6 +142,14 @@ def test_typed_fields_name_the_type_they_got():
         assert (error.message, error.param) == (message, name)
 
 
+def test_a_direct_caller_s_python_types_are_named_too():
+    # parse_completion also takes bodies built in Python, not parsed from JSON: a tuple is named as what it is
+    error = refusal(chat_body(model=("m",)), chat=True)
+    assert (error.message, error.param) == ("model must be a string, got tuple", "model")
+    error = refusal(chat_body(seed=b"1"), chat=True)
+    assert error.message == "seed must be an integer, got bytes"
+
+
 def test_stream_options():
     assert parse_completion(chat_body(stream=True, stream_options={}), chat=True).include_usage is False
     assert parse_completion(chat_body(stream=True, stream_options={"include_usage": False}),

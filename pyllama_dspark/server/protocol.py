@@ -223,8 +223,7 @@ _KIND_NAMES = {str: "a string", bool: "a boolean", dict: "an object", list: "an 
 
 
 def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
+    """What a value that is not None is, in JSON's words (the callers let None through as absent)."""
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
             dict: "an object"}.get(type(value), type(value).__name__)
 
