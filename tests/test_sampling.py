@@ -206,3 +206,32 @@ def test_top_p_of_one_keeps_even_negligible_tokens():
     assert p[1] == pytest.approx(np.exp(-50.0)) and p[2] > 0.0
     cut = probabilities(np.array([0.0, -50.0, -60.0]), SamplingParams(temperature=1.0, top_p=0.999999))
     assert cut.tolist() == [1.0, 0.0, 0.0]
+
+
+def test_top_k_keeps_exactly_the_k_largest_logits():
+    # numpy's partition leaves the elements next to the k-th in order for most inputs, so a partition at the
+    # wrong rank keeps the right set almost always: seeds 146, 384, 424, 1069, 1271, 1305 are ones where it would not
+    for seed in [146, 384, 424, 1069, 1271, 1305, *range(40)]:
+        rng = np.random.default_rng(seed)
+        size, top_k = int(rng.integers(30, 3000)), int(rng.integers(1, 200))
+        logits = rng.standard_normal(size)  # distinct values
+        kept = np.flatnonzero(probabilities(logits, SamplingParams(temperature=1.0, top_k=top_k)))
+        assert sorted(kept.tolist()) == sorted(np.argsort(-logits)[:top_k].tolist()), seed
+
+
+def test_most_likely_first_never_splits_a_tie_at_the_candidate_boundary():
+    """One likely token, then a tie group straddling the candidates: the nucleus must take the tied ids by id
+    (the full stable sort's choice), never the one a partition happened to pick."""
+    from pyllama_dspark.sampling import _most_likely_first
+
+    rng = np.random.default_rng(11)
+    for trial in range(100):
+        probs = np.full(200, 0.37 / 190)
+        ids = rng.permutation(200)
+        probs[ids[0]] = 0.6
+        probs[ids[1:11]] = 0.003  # ten tied ids
+        probs /= probs.sum()
+        got = _most_likely_first(probs, 0.6025, candidates=3)
+        want = full_stable_order(probs)
+        cut = int(np.searchsorted(np.cumsum(probs[want]), 0.6025)) + 1
+        assert got[:cut].tolist() == want[:cut].tolist(), trial
