@@ -1,5 +1,6 @@
 """The header-only GGUF reader (gguf_header.py) against gguf-py's full reader, and its refusals; a drafter
-loads and samples without the full reader (which parses every tokenizer array: seconds per open)."""
+loads and samples without the full reader (which parses every tokenizer array: seconds per open). Hand-built files
+check every value type, the data alignment, the tensor types and every refusal's message byte by byte."""
 
 from __future__ import annotations
 
