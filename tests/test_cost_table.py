@@ -83,7 +83,6 @@ def test_the_fill_in_is_refitted_on_a_new_row_count_and_every_refit_every_rounds
     assert table.verify(2) == pytest.approx(1.6)
 
 
-
 def test_a_table_that_joins_later_counts_its_rounds_to_a_refit_from_its_creation():
     measured = CostTable(3)
     measured.observe(1, 0.0, 1.0, k_drafted=0)  # verify 2 rows: new, fitted
@@ -95,6 +94,7 @@ def test_a_table_that_joins_later_counts_its_rounds_to_a_refit_from_its_creation
     assert measured.verify(3) == before
     late.observe(1, 0.0, 3.0, k_drafted=0)  # the 32nd: every sharing table is refitted to the averaged row
     assert measured.verify(3) == pytest.approx(measured.verify(2) * 2.0 / 1.5) != before
+
 
 @pytest.mark.parametrize("seconds", [float("nan"), float("inf"), -0.1])
 def test_a_measurement_that_is_not_a_finite_non_negative_time_is_ignored(seconds):

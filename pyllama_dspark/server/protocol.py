@@ -234,7 +234,7 @@ class ResponseShape:
     for all of them, the object names, usage and statistics."""
 
     def __init__(self, req: CompletionRequest, model_id: str, *, speculative: bool):
-        self.req, self.model_id, self.speculative = req, model_id, speculative
+        self.req, self.speculative = req, speculative
         self.head = completion_head(chat=req.chat, model_name=model_id)
 
     def completion(self, result) -> dict:
