@@ -211,14 +211,25 @@ def _prompt_and_next_rows(model, prompt, following, consistent):
 def test_the_mode_computes_prompts_and_single_tokens_exactly_as_the_fast_paths(make_model, tmp_path, qtype):
     """Patch 0012: outside batches of 2..64 the mode takes the same kernels as no mode (tinyBLAS and the tiled
     K-quant matmul for a 100-token prompt, op fusion everywhere), so the results are equal bit for bit. Under
-    patch 0005's use_ref the q4_k_m prompt went through vec_dot and the fused norms were split, and differed."""
+    patch 0005's use_ref the q4_k_m prompt went through vec_dot and the fused norms were split, and differed.
+    A single token's matmuls are the fast path's too; its attention is the mode's own since patch 0024 (the
+    shared-KV kernel; tests/test_attention.py), so with patch 0013's per-row path selected it is equal as well."""
+    from pyllama_dspark._lib import lib
+
     src = make_model(arch="llama", n_layer=2, n_embd=256, n_ff=512)
     path = src if qtype == "f32" else quantize(src, tmp_path / f"m-{qtype}.gguf", qtype)
     with Model(path) as model:
         on = _prompt_and_next_rows(model, PROMPT_100, LONG[:6], consistent=True)
+        previous = lib.ggml_cpu_dspark_set_shared_attention(False)
+        try:
+            on_per_row = _prompt_and_next_rows(model, PROMPT_100, LONG[:6], consistent=True)
+        finally:
+            lib.ggml_cpu_dspark_set_shared_attention(previous)
         off = _prompt_and_next_rows(model, PROMPT_100, LONG[:6], consistent=False)
         one_by_one = single_rows(model, tokens=PROMPT_100)
-    np.testing.assert_array_equal(on, off)
+    np.testing.assert_array_equal(on[:100], off[:100])
+    np.testing.assert_array_equal(on_per_row, off)
+    assert np.abs(on[100:] - off[100:]).max() > 0  # the single tokens' attention is the shared kernel's
     # and the prompt did take a batch kernel (a 100-token batch sums in another order than one token)
     assert np.abs(on[:100] - one_by_one).max() > 0
 

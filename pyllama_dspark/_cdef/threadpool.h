@@ -22,3 +22,8 @@ void llama_attach_threadpool(
 int64_t ggml_cpu_dspark_x2_chunks(void);
 // pyllama-dspark (patch 0014): small-batch products tinyBLAS computed under consistent numerics so far
 int64_t ggml_cpu_dspark_consistent_sgemm_matrices(void);
+// pyllama-dspark (patch 0024): consistent-numerics flash attention shares each KV chunk between the rows and
+// heads that read it; false selects patch 0013's per-row path (measurements). Returns the previous setting
+bool ggml_cpu_dspark_set_shared_attention(bool enabled);
+// pyllama-dspark (patch 0024): flash-attention ops the shared-KV path computed so far
+int64_t ggml_cpu_dspark_shared_attention_ops(void);
