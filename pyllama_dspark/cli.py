@@ -60,6 +60,10 @@ def _add_model_args(p: argparse.ArgumentParser, *, target: bool = True, drafter:
                         "(builds with -DGGML_RPC=ON)")
     p.add_argument("--tensor-split", "-ts", dest="tensor_split", type=_share_list, default=None, metavar="N,...",
                    help="share of the offloaded layers per RPC device, comma-separated (default: by free memory)")
+    p.add_argument("--no-consistent-numerics", dest="consistent_numerics", action="store_false",
+                   help="decode without consistent numerics: a GPU's verify is then cheaper, and speculative output "
+                        "may differ from plain decoding in the last bits. Where the backend has no such mode "
+                        "(CUDA, Metal...), the command says so in one line and runs without it")
 
 
 def _endpoint_list(text: str) -> tuple[str, ...]:
@@ -151,9 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompts", required=True, help='JSONL file: {"prompt": ...} or {"messages": [...]} lines')
     _add_sampling_args(bench)
     _add_draft_args(bench)
-    bench.add_argument("--no-consistent-numerics", dest="consistent_numerics", action="store_false",
-                       help="both runs without consistent numerics: a GPU's verify is then cheaper, and the "
-                            "speculative output may differ from plain decoding (token_match says)")
     _add_json_arg(bench, "the figures")
 
     batch = sub.add_parser("batch", parents=verbose, allow_abbrev=False,
@@ -332,6 +333,25 @@ def _say(message: str) -> None:
     print(f"pyllama-dspark: {message}", file=sys.stderr, flush=True)
 
 
+def _consistent_numerics(args, model) -> bool:
+    """Whether this run's contexts take consistent numerics: as asked, unless the model's backend cannot promise
+    it (a GPU backend other than Vulkan, an RPC server without our patch), which one line says; then it runs
+    without. A probe context finds out before any real one is made."""
+    from .context import Context
+    from .errors import INEXACT_BACKEND, UnsupportedModeError
+
+    if not args.consistent_numerics:
+        return False
+    try:
+        Context(model, n_ctx=256, n_batch=64, n_threads=1).close()
+    except UnsupportedModeError:
+        _say(INEXACT_BACKEND)
+        # the Speculator's own warning about an inexact GPU verify would say it a second time
+        warnings.filterwarnings("ignore", message="the target runs on a GPU backend with consistent_numerics=False")
+        args.consistent_numerics = False
+    return args.consistent_numerics
+
+
 def _sampling(args) -> dict:
     return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                 seed=args.seed)
@@ -348,9 +368,10 @@ def _loaded(args, model_path: Path, drafter_path: Path | None):
     sources = ([f"the drafter {drafter_path}"] if drafter_path else []) + (["prompt lookup"] if lookup else [])
     _say(f"loading {model_path}" + (f" with {' and '.join(sources)}" if sources else ""))
     with Model(model_path, **_model_options(args)) as model:
+        consistent = _consistent_numerics(args, model)
         with load(model, drafter_path, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
                   n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=lookup,
-                  n_gpu_layers=args.n_gpu_layers or 0) as llm:
+                  n_gpu_layers=args.n_gpu_layers or 0, consistent_numerics=consistent) as llm:
             drafter, spec = llm.drafter, llm.speculator
             drafting = ("plain decoding" if drafter is None else
                         f"drafter block {drafter.block_size}, reading target layers {list(drafter.capture_layers)}, "
@@ -487,6 +508,7 @@ def _cmd_bench(args) -> int:
     prompts = load_prompts(args.prompts)
     summary, out = BenchSummary(), _report(args)
     with Model(args.model, **_model_options(args)) as model:
+        _consistent_numerics(args, model)
         for result in run_bench(model, args.drafter, prompts, n_predict=args.max_tokens, n_draft=args.n_draft,
                                 n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=args.prompt_lookup,
                                 n_threads=args.n_threads,
@@ -565,9 +587,11 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
         prompt = model.apply_chat_template([{"role": "user", "content": args.prompt}])
         knobs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      seed=args.seed)
-        plain_ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
+        settings = dict(n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
+                        consistent_numerics=_consistent_numerics(args, model))
+        plain_ctx = Context(model, **settings)
         generate(plain_ctx, prompt, max_tokens=4)  # warm-up: weights paged in, threads started
-        ctx = Context(model, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads)
+        ctx = Context(model, **settings)
         drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, p_min=args.p_min,
                                 n_gpu_layers=args.n_gpu_layers or 0)
         if args.prompt_lookup:
@@ -671,7 +695,8 @@ def _cmd_serve(args) -> int:
                            n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc_servers,
                            tensor_split=args.tensor_split, max_queue=args.max_queue, parallel=args.parallel,
                            load_kwargs=dict(n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min,
-                                            prompt_lookup=args.prompt_lookup))
+                                            prompt_lookup=args.prompt_lookup,
+                                            **({} if args.consistent_numerics else {"consistent_numerics": False})))
     what = f"{args.model}" + (f" with the drafter {args.drafter}" if args.drafter else "")
     serve(options, log_level="info" if args.verbose else "warning",
           on_listen=lambda url: _say(f"serving {what} at {url}/v1 (loading; GET /health says when ready)"))

@@ -227,7 +227,10 @@ class DSparkDrafter:
             n_batch = max(n_batch or target.n_batch, self.info.block_size * self.n_seq_max)
             self.ctx = Context(self.model, n_ctx=(n_ctx or n_ctx_min) * self.n_seq_max, n_batch=n_batch,
                                n_ubatch=n_batch, n_seq_max=self.n_seq_max, n_threads=n_threads, ctx_other=target,
-                               kv_type=kv_type, flash_attn=flash_attn)
+                               kv_type=kv_type, flash_attn=flash_attn,
+                               # drafts are verified, so their last bits never reach the output: the drafter
+                               # follows the target (a GPU backend without the mode would refuse it)
+                               consistent_numerics=target.consistent_numerics)
             # the native drafter context holds a pointer to the target's: it must be freed first
             target._adopt(self.ctx)
         except BaseException:

@@ -54,6 +54,11 @@ class UnsupportedModeError(LlamaError, ValueError):
     """A mode the caller asked for (consistent numerics) cannot be promised by this build, model or backend."""
 
 
+# what the CLI and the server say, in one line, when they run without the mode because the backend has none
+INEXACT_BACKEND = ("this backend has no consistent-numerics mode, so speculative output may differ from plain "
+                   "decoding in the last bits (running without it; --no-consistent-numerics says so up front)")
+
+
 class DecodeError(LlamaError):
     """llama_decode failed."""
 

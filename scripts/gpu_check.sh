@@ -9,8 +9,9 @@
 #    output equal to plain greedy output, the multi-column mat-vec), then `pyllama-dspark bench -ngl 99` of
 #    SmolLM2-135M-Instruct with the bundled drafter on 4 held-out chat prompts, with consistent numerics
 #    (token_match must be 4/4) and without (--no-consistent-numerics: what exactness costs there).
-# 3. CUDA: plain greedy decoding fully offloaded (consistent_numerics=False), and the mode's refusal
-#    (UnsupportedModeError: consistent numerics is implemented for the CPU, Vulkan and RPC backends only).
+# 3. CUDA: plain greedy decoding fully offloaded (consistent_numerics=False), the mode's refusal
+#    (UnsupportedModeError: consistent numerics is implemented for the CPU, Vulkan and RPC backends only), and
+#    `pyllama-dspark generate -ngl 99 -md ...`, which must run and say once that its output may differ.
 #
 # Prints "=== <step>: ok|FAILED" lines and exits 1 if any step failed or ran out of time.
 set -uo pipefail
@@ -80,5 +81,13 @@ with Model(bundled.smollm2_path(), n_gpu_layers=-1) as model:
     else:
         raise SystemExit("cuda: a context with consistent numerics was accepted")
 EOF
+    # a GPU user's first command: the CLI says in one line that output may differ, and runs without the mode
+    step "cuda: generate -ngl 99 with the drafter runs and says the output may differ" 90 bash -c '
+        paths=$(.venv-cuda/bin/pyllama-dspark demo --paths) || exit 1
+        target=$(sed -n 1p <<< "$paths"); drafter=$(sed -n 2p <<< "$paths")
+        .venv-cuda/bin/pyllama-dspark generate -ngl 99 -m "$target" -md "$drafter" -p "The capital of France is" \
+            -n 32 2> build/gpu_check_generate.err || { cat build/gpu_check_generate.err; exit 1; }
+        cat build/gpu_check_generate.err
+        [[ $(grep -c "speculative output may differ from plain decoding" build/gpu_check_generate.err) == 1 ]]'
 fi
 exit $status

@@ -84,6 +84,71 @@ def test_bench_without_consistent_numerics_says_so(pair, tmp_path, monkeypatch):
     assert json.loads(out.read_text())["consistent_numerics"] is False
 
 
+def _without_the_mode(monkeypatch):
+    """Contexts behave as on a backend that has no consistent-numerics mode (CUDA, Metal): asking for it raises
+    UnsupportedModeError, as llama_dspark_set_consistent_numerics's -2 does there. Returns the modes asked for."""
+    from pyllama_dspark import context
+    from pyllama_dspark.errors import UnsupportedModeError
+
+    asked = []
+    real = context._set_consistent_numerics
+
+    def refusing(ptr, enabled):
+        asked.append(bool(enabled))
+        if enabled:
+            raise UnsupportedModeError("consistent numerics cannot be promised here", op="test")
+        real(ptr, enabled)
+
+    monkeypatch.setattr(context, "_set_consistent_numerics", refusing)
+    return asked
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "batch"])
+def test_a_backend_without_the_mode_gets_one_line_and_runs(pair, tmp_path, monkeypatch, capsys, command):
+    """Issue 34: `generate -ngl 99` on a CUDA build failed with UnsupportedModeError. Every model-loading command
+    now says in one line that speculative output may differ from plain decoding and runs without the mode."""
+    from pyllama_dspark import cli as cli_module
+    from pyllama_dspark.errors import INEXACT_BACKEND
+
+    target, drafter = pair
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Hello world"}\n')
+    asked = _without_the_mode(monkeypatch)
+    args = {"generate": ["-p", "Hello world"], "bench": ["--prompts", str(prompts)],
+            "batch": ["--prompts", str(prompts), "-np", "2"]}[command]
+    assert cli_module.main([command, "-m", str(target), "-md", str(drafter), *args, "-n", "12"]) == 0
+    err = capsys.readouterr().err
+    assert err.count(INEXACT_BACKEND) == 1, err
+    assert "may differ" not in err.replace(INEXACT_BACKEND, ""), err  # the Speculator's warning is not repeated
+    assert asked[0] is True and set(asked[1:]) == {False}
+
+
+def test_no_consistent_numerics_on_generate_asks_for_no_mode_and_says_nothing(pair, monkeypatch, capsys):
+    from pyllama_dspark import cli as cli_module
+    from pyllama_dspark.errors import INEXACT_BACKEND
+
+    target, drafter = pair
+    asked = _without_the_mode(monkeypatch)
+    assert cli_module.main(["generate", "-m", str(target), "-md", str(drafter), "-p", "Hello", "-n", "8",
+                            "--no-consistent-numerics"]) == 0
+    assert INEXACT_BACKEND not in capsys.readouterr().err
+    assert asked and set(asked) == {False}
+
+
+def test_serve_loads_without_the_mode_where_the_backend_has_none(pair, monkeypatch, capsys):
+    from pyllama_dspark.errors import INEXACT_BACKEND, UnsupportedModeError
+    from pyllama_dspark.server import BackgroundServer
+
+    target, drafter = pair
+    asked = _without_the_mode(monkeypatch)
+    with BackgroundServer(str(target), drafter=str(drafter)) as server:
+        assert server.engine.llm.ctx.consistent_numerics is False
+    assert capsys.readouterr().err.count(INEXACT_BACKEND) == 1 and asked[0] is True
+    # asked for explicitly, the mode's refusal is the caller's to see
+    with pytest.raises(UnsupportedModeError):
+        BackgroundServer(str(target), load_kwargs={"consistent_numerics": True})
+
+
 @pytest.mark.parametrize("args, message", [
     (["generate", "--model", "/nonexistent.gguf", "--prompt", "x"], "not found"),
     (["generate", "--model", "{target}", "--prompt", "word " * 400, "--n-ctx", "64"], "does not fit"),

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +65,19 @@ def build(options: ServeOptions, *, open_llm=None):
 
     def load_llm():
         from ..api import load
+        from ..errors import INEXACT_BACKEND, UnsupportedModeError
 
-        return load(options.model, options.drafter, n_ctx=options.n_ctx, n_threads=options.n_threads,
-                    n_batch=options.n_batch, n_gpu_layers=options.n_gpu_layers, rpc_servers=options.rpc_servers,
-                    tensor_split=options.tensor_split, **(options.load_kwargs or {}))
+        kwargs = dict(n_ctx=options.n_ctx, n_threads=options.n_threads, n_batch=options.n_batch,
+                      n_gpu_layers=options.n_gpu_layers, rpc_servers=options.rpc_servers,
+                      tensor_split=options.tensor_split, **(options.load_kwargs or {}))
+        try:
+            return load(options.model, options.drafter, **kwargs)
+        except UnsupportedModeError:
+            if kwargs.get("consistent_numerics") is not None:
+                raise  # asked for explicitly (serve's CLI passes False only)
+            print(f"pyllama-dspark: {INEXACT_BACKEND}", file=sys.stderr, flush=True)
+            warnings.filterwarnings("ignore", message="the target runs on a GPU backend with consistent_numerics=False")
+            return load(options.model, options.drafter, **kwargs, consistent_numerics=False)
 
     engine = Engine(open_llm or load_llm, max_queue=options.max_queue, parallel=options.parallel)
     config = ServerConfig(options.model, alias=options.alias, api_key=options.api_key)
