@@ -149,3 +149,39 @@ def test_the_switch_selects_the_per_row_path_and_both_are_exact(gqa_model):
     np.testing.assert_array_equal(per_row, per_row_single)
     np.testing.assert_allclose(shared, per_row, rtol=0, atol=1e-2 * np.abs(per_row).max())
     assert np.abs(shared - per_row).max() > 0
+
+
+def test_rows_of_several_sequences_in_one_batch_equal_their_single_tokens(gqa_model):
+    """Per-sequence KV streams (n_seq_max > 1, as the batch scheduler runs): a batch holding rows of two
+    sequences reaches the kernel as two streams (q->ne[3] = 2), a single token as one; each row is the same.
+    (Patch 0013 took one stream only: two streams went to upstream's unchunked path, and past 256 cells such rows
+    differed from their single tokens in the last bits.)"""
+    with Model(gqa_model("qwen3", 3)) as model, Context(model, n_ctx=2048, n_batch=512, n_seq_max=2) as ctx:
+        prefixes = {0: tokens(300, seed=6), 1: tokens(700, seed=7)}
+        following = {0: tokens(3, seed=8), 1: tokens(5, seed=9)}
+        batch = Batch(512, n_seq_max=2)
+        for seq, prefix in prefixes.items():
+            for start in range(0, len(prefix), 512):
+                batch.clear()
+                batch.add_tokens(prefix[start:start + 512], start, seq_id=seq, logits="none")
+                ctx.decode(batch)
+        single = {}
+        for seq in (0, 1):
+            rows = []
+            for i, token in enumerate(following[seq]):
+                batch.clear()
+                batch.add(token, len(prefixes[seq]) + i, seq_id=seq, logits=True)
+                ctx.decode(batch)
+                rows.append(ctx.logits(-1).copy())
+            single[seq] = np.array(rows)
+            ctx.seq_rm(seq, len(prefixes[seq]), -1)
+        batch.clear()
+        for seq in (0, 1):
+            batch.add_tokens(following[seq], len(prefixes[seq]), seq_id=seq, logits="all")
+        before = lib.ggml_cpu_dspark_shared_attention_ops()
+        ctx.decode(batch)
+        used = lib.ggml_cpu_dspark_shared_attention_ops() > before
+        rows = ctx.all_logits().copy()
+    np.testing.assert_array_equal(rows[:3], single[0])
+    np.testing.assert_array_equal(rows[3:], single[1])
+    assert used
