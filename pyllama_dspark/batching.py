@@ -19,7 +19,11 @@ A finished sequence's KV (and recurrent state) is freed at once. Each step retur
 sequence, the last one of a finished sequence carrying its ``GenerationResult``.
 
 The draft length is chosen per sequence: a fixed ``n_draft``, or the cost-aware ``DraftLengthChooser`` of that
-sequence, which is charged its share of each batched decode (its rows over all rows) as its cost.
+sequence. Its verify cost is what its rows add to the batched decode: ``VerifyCostModel`` fits each decode's time as
+a fixed part plus a cost per row that grows with the context the row attends to, and a sequence is charged its
+share of the fixed part plus the marginal cost of its own rows at its own context length (until the fit has
+enough steps, the share of the decode its rows are, as before). Rows are cheap in a batch, so a sequence drafts
+where its drafts pay for what they add, not for an average of everyone's decode.
 """
 
 from __future__ import annotations
@@ -55,6 +59,60 @@ class BatchRequest:
     stop_at_eog: bool = True
     cancel: CancelToken | None = None
     stop_tokens: frozenset[int] = frozenset()  # ids that end the generation (kept), besides end-of-generation
+
+
+class VerifyCostModel:
+    """Seconds of a batched verify as ``fixed + per_row * rows + per_cell * cells``, where ``cells`` sums over the
+    rows the context each attends to; fitted by exponentially weighted least squares (``decay`` per step) over the
+    scheduler's decodes. ``share`` is what one sequence's rows cost: its part of the fixed cost and the marginal
+    cost of its rows. Until ``ready`` (``min_steps`` decodes, two row counts at least, a fit with no negative
+    part), ``share`` is the proportional share of the decode instead."""
+
+    def __init__(self, *, decay: float = 0.97, min_steps: int = 8):
+        self.decay, self.min_steps = float(decay), int(min_steps)
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._steps = 0
+        self._rows_seen: set[int] = set()
+        self._coef: np.ndarray | None = None
+
+    def observe(self, rows: int, cells: int, seconds: float) -> None:
+        if rows < 1 or not np.isfinite(seconds) or seconds <= 0:
+            return
+        x = np.array([1.0, float(rows), cells / 1000.0])
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
+        self._steps += 1
+        self._rows_seen.add(int(rows))
+        self._coef = None
+
+    def coefficients(self) -> np.ndarray | None:
+        """(fixed seconds, seconds per row, seconds per row and 1000 cells), or None while not ready."""
+        if self._coef is None and self._steps >= self.min_steps and len(self._rows_seen) >= 2:
+            # a little ridge on the per-cell term: contexts may barely vary between steps
+            ridge = np.diag([0.0, 0.0, 1e-9 + 1e-6 * self._xtx[2, 2]])
+            try:
+                coef = np.linalg.solve(self._xtx + ridge, self._xty)
+            except np.linalg.LinAlgError:
+                return None
+            if coef[2] < 0:  # no measurable growth with context: refit without it
+                sub = np.linalg.lstsq(self._xtx[:2, :2], self._xty[:2], rcond=None)[0]
+                coef = np.array([sub[0], sub[1], 0.0])
+            if np.all(coef >= 0) and coef[1] > 0:
+                self._coef = coef
+        return self._coef
+
+    @property
+    def ready(self) -> bool:
+        return self.coefficients() is not None
+
+    def share(self, seconds: float, rows: int, total_rows: int, n_sequences: int, cells: int) -> float:
+        """One sequence's part of a decode that took ``seconds``: its ``rows`` (of ``total_rows``, over
+        ``n_sequences``) attending to ``cells`` cells in all."""
+        coef = self.coefficients()
+        if coef is None:
+            return seconds * rows / total_rows
+        return float(coef[0] / n_sequences + coef[1] * rows + coef[2] * cells / 1000.0)
 
 
 class BatchSequence:
@@ -132,6 +190,7 @@ class BatchScheduler:
         self.cost_aware = drafter is not None and n_draft is None
         self.ctx, self.drafter, self.max_rows, self.on_rows = ctx, drafter, max_rows, on_rows
         self._capturing = bool(ctx.capture_layers)
+        self.verify_costs = VerifyCostModel()
         self._batch = Batch(max(ctx.n_batch, max_rows), n_seq_max=self.n_slots)
         self._waiting: collections.deque[BatchSequence] = collections.deque()
         self._slots: list[BatchSequence | None] = [None] * self.n_slots
@@ -267,6 +326,10 @@ class BatchScheduler:
         features = self.ctx.capture() if self._capturing else None
         n_rows = self._batch.n_tokens
         t_verify = time.perf_counter() - t1
+        # each row attends to its sequence's cells up to its own position
+        cells = {seq: (len(chosen[seq][1]) + 1) * (seq.pos + 1) + len(chosen[seq][1]) * (len(chosen[seq][1]) + 1) // 2
+                 for seq in decoding}
+        self.verify_costs.observe(n_rows, sum(cells.values()), t_verify)
         from .speculative import Speculator  # the accept rule of the single-sequence loop, shared
 
         for seq in decoding:
@@ -280,7 +343,7 @@ class BatchScheduler:
                 committed_rows = np.concatenate([[seq.anchor], drafts_k[:n]]).astype(np.int32)
                 self.drafter.observe(committed_rows, rows, seq.pos, seq_id=seq.seq_id)
             share_draft = t_draft * len(draft.tokens) / n_drafted_all
-            share_verify = t_verify * (k + 1) / n_rows
+            share_verify = self.verify_costs.share(t_verify, k + 1, n_rows, len(decoding), cells[seq])
             seq.stats.observe_round(k, n, source="dspark" if len(draft.tokens) else "", t_draft=share_draft)
             seq.stats.t_verify += share_verify
             if seq.chooser is not None:

@@ -168,10 +168,15 @@ class DraftLengthChooser:
             so a good drafter is tried; a bad one is dropped after a few rejections).
         alpha: weight of the newest round in the running acceptance averages.
         probe_every: plain rounds between probes of one draft token once k = 0 was chosen (doubles, up to
-            64, after each rejected probe while a slow average of slot 0's acceptance (``slow_alpha``) is
-            below the break-even; back to probe_every once drafting pays); also, every probe_every-th
+            64, after each rejected probe while slot 0's running acceptance or a slow average of it
+            (``slow_alpha``) is below the break-even; back to probe_every once drafting pays or a probe is
+            accepted); also, every probe_every-th
             drafting round drafts one slot more than planned, so the acceptance of the slot after the plan
             stays measured.
+        margin: a draft is planned only where it promises at least 1 + margin times a plain step's tokens per
+            second. The acceptances and costs are running estimates, and on a small target a round that
+            drafts is at best a few percent better than a plain step on much text: without a margin the
+            loop drafts wherever the noise says it pays, and loses a few percent where nothing pays.
 
     ``costs`` may be replaced by a ``StaticCostTable`` (known costs, not measured): decisions then depend on
     acceptance alone, which makes them reproducible.
@@ -187,6 +192,7 @@ class DraftLengthChooser:
     _probe_gap: int = field(default=0, init=False)
     _drafted_rounds: int = field(default=0, init=False)
     slow_alpha: float = 0.05
+    margin: float = 0.05
     _accept0_slow: float = field(default=0.0, init=False)
 
     def __post_init__(self):
@@ -205,6 +211,7 @@ class DraftLengthChooser:
         """``best(k_max)`` and the expected tokens per second (per cost unit) of a round drafting that many."""
         k_max = self.k_max if k_max is None else max(0, min(int(k_max), self.k_max))
         rates = expected_tokens_by_k(self.accept[:k_max]) / self.costs.round_seconds(k_max)
+        rates[1:] /= 1.0 + self.margin  # a draft must beat a plain step by the margin (the rate returned too)
         k = int(np.argmax(rates))
         return k, float(rates[k])
 
@@ -254,15 +261,16 @@ class DraftLengthChooser:
             self.accept[i] += self.alpha * (float(i < n_accepted) - self.accept[i])
         if k > 0:
             self._accept0_slow += self.slow_alpha * (float(n_accepted > 0) - self._accept0_slow)
-            if self.best() > 0:
+            if self.best() > 0 or n_accepted > 0:  # drafting pays, or a draft was right: the text may have changed
                 self._probe_gap = self.probe_every
-            elif n_accepted == 0 and self._accept0_slow < self.break_even():
-                # a rejected probe, and drafting does not pay by a slow average either: probe half as often
+            elif min(self._accept0_slow, self.accept[0]) < self.break_even():
+                # a rejected probe, and drafting does not pay by the running acceptance or a slow average of it:
+                # probe half as often (the slow average alone kept an optimistic prior for some 14 probes)
                 self._probe_gap = min(self._probe_gap * 2, 64)
 
     def break_even(self) -> float:
-        """The acceptance of slot 0 at which drafting one token pays as much as a plain step."""
-        return (self.costs.draft(1) + self.costs.verify(2)) / self.costs.verify(1) - 1.0
+        """The acceptance of slot 0 at which drafting one token pays as much as a plain step (by the margin)."""
+        return (1.0 + self.margin) * (self.costs.draft(1) + self.costs.verify(2)) / self.costs.verify(1) - 1.0
 
 
 class SourceChooser:
@@ -272,17 +280,18 @@ class SourceChooser:
     Args:
         k_max: source name -> most drafts per round from it, in the order the drafter lists its sources (ties
             go to the first).
+        margin: every source's ``DraftLengthChooser.margin``.
 
     Attributes:
         choosers: source name -> its DraftLengthChooser (running acceptance, probing, cost table; the cost
             tables share one verify measurement). A table may be replaced by a ``StaticCostTable``.
     """
 
-    def __init__(self, k_max: Mapping[str, int]):
+    def __init__(self, k_max: Mapping[str, int], *, margin: float = DraftLengthChooser.margin):
         if not k_max:
             raise ValueError("a SourceChooser needs at least one source")
         rows = max(int(k) for k in k_max.values())
-        self.choosers = {name: DraftLengthChooser(int(k)) for name, k in k_max.items()}
+        self.choosers = {name: DraftLengthChooser(int(k), margin=margin) for name, k in k_max.items()}
         first = None
         for chooser in self.choosers.values():
             chooser.costs = CostTable(rows)  # one size for all, so that the verify measurements can be shared

@@ -244,8 +244,10 @@ class DSparkDrafter:
         self.width = len(self.info.target_layers) * target.model.n_embd
         self._rows = self.ctx.embd_batch(self.width)
         self._block = Batch(self.info.block_size * self.n_seq_max, n_seq_max=self.n_seq_max)
-        # per sequence: observed rows not injected yet, and the position of the first
-        self._pending: dict[int, tuple[np.ndarray, int]] = {}
+        # per sequence: observed rows not injected yet (a list of arrays, in position order) and the position of
+        # the first. A list, not one array grown by concatenation: while another source drafts (prompt lookup),
+        # a long prompt's rows wait here for many rounds, and copying them every round cost more than a decode.
+        self._pending: dict[int, tuple[list[np.ndarray], int]] = {}
         self._bias = None  # Markov bias function, loaded on the first sampled draft
 
     @property
@@ -310,14 +312,20 @@ class DSparkDrafter:
         if rows.ndim != 2 or rows.shape[1] != self.width:
             raise ValueError(f"feature rows must be [n, {self.width}], got {list(rows.shape)}")
         if seq_id in self._pending:
-            pending, start = self._pending[seq_id]
-            end = start + len(pending)
+            chunks, start = self._pending[seq_id]
+            end = start + sum(len(chunk) for chunk in chunks)
             if start <= pos0 <= end:
-                self._pending[seq_id] = (np.concatenate([pending[: pos0 - start], rows]), start)
+                while end > pos0:  # drop what was observed at pos0 and after (stale)
+                    last = chunks.pop()
+                    end -= len(last)
+                    if end < pos0:
+                        chunks.append(last[: pos0 - end])
+                        end = pos0
+                chunks.append(rows)
                 return
             if pos0 > end:
                 self._flush([seq_id])
-        self._pending[seq_id] = (rows, pos0)
+        self._pending[seq_id] = ([rows], pos0)
 
     def _flush(self, seq_ids) -> None:
         """Inject the pending rows of these sequences (dropping their cells at and after the first position), all
@@ -325,7 +333,8 @@ class DSparkDrafter:
         chunks = []
         for seq_id in seq_ids:
             if seq_id in self._pending:
-                rows, pos0 = self._pending.pop(seq_id)
+                pending, pos0 = self._pending.pop(seq_id)
+                rows = pending[0] if len(pending) == 1 else np.concatenate(pending)
                 self.ctx.seq_rm(seq_id, pos0, -1)
                 chunks += [(seq_id, rows[i:i + self.ctx.n_batch], pos0 + i) for i in range(0, len(rows),
                                                                                            self.ctx.n_batch)]
@@ -453,13 +462,15 @@ class PromptLookupDrafter:
     Args:
         ngram_max, ngram_min: longest and shortest suffix to look up (the longest that occurs wins; among
             its occurrences, the most recent).
-        block_size: most tokens proposed per round.
+        block_size: most tokens proposed per round (default 8: where text is copied, a match runs on for many
+            tokens, and since patch 0024 a verify of 9 rows costs about twice one row; the cost-aware loop
+            verifies fewer where matches go wrong sooner).
     """
 
     capture_layers: list[int] = []
     source = "lookup"  # what its rounds are called in Step.source and SpecStats.by_source
 
-    def __init__(self, *, ngram_max: int = 3, ngram_min: int = 1, block_size: int = 4):
+    def __init__(self, *, ngram_max: int = 3, ngram_min: int = 1, block_size: int = 8):
         if not 1 <= ngram_min <= ngram_max or block_size < 1:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max and block_size >= 1, got {ngram_min}, "
                              f"{ngram_max}, {block_size}")

@@ -61,7 +61,7 @@ class HybridDrafter:
         model_drafter: the drafter that pays for its drafts (a ``DSparkDrafter``, or any Drafter); its
             ``capture_layers`` are the hybrid's, so the loop captures the features it needs.
         lookup: the prompt lookup drafter (default ``PromptLookupDrafter()``: n-grams of 3 down to 1 token,
-            at most 4 drafts per round).
+            at most 8 drafts per round).
 
     Attributes:
         sources: {"lookup": lookup's block size, model source: the model drafter's block size}; the model

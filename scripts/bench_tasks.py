@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """Speculative decoding by task category, side by side with plain decoding in one run (issue 34).
 
-For every prompt of benchmarks/tasks/tasks.jsonl (scripts/make_task_prompts.py: chat, translation,
-summarization, QA, math, RAG, code editing): plain greedy decoding, then each speculative configuration, one
-after the other, so noise hits all alike. Configurations:
+For the prompts of benchmarks/tasks/tasks.jsonl (scripts/make_task_prompts.py: chat, translation,
+summarization, QA, math, RAG, code editing): plain greedy decoding, then each speculative configuration.
+Configurations:
 
     default   the cost-aware loop with the DSpark drafter (what `load(target, drafter)` runs)
     dspark-kK the DSpark drafter at a fixed draft length K (--k)
     lookup    prompt lookup alone, cost-aware
     hybrid    prompt lookup and the DSpark drafter, cost-aware (`--prompt-lookup`)
 
-Each configuration has its own target context and drafter, and a fresh Speculator per category (its chooser
-learns within the category, as a loaded model does over a user's session). Per category and configuration:
+Per category, plain decoding runs its prompts first, then each configuration in turn, with its own target context
+and drafter made for the category (its chooser learns within the category, as a loaded model does over a user's
+session; only one configuration's contexts exist at a time, since idle thread pools still poll). Per category and configuration:
 decode speedup (plain decode tok/s over the category's summed tokens and decode times, relative), end-to-end
 speedup (prefill included), tau and token match. Then the batched figure: the category's prompts through
 generate_batch, --batched N at a time, speculative (the default configuration) against plain batching, wall
@@ -104,37 +105,42 @@ def summarize(rows: list[dict], plain: list[dict]) -> dict:
 
 
 def run_sequential(model, drafter_path, tasks, configs, settings, n_predict) -> dict:
-    runners = {name: Runner(name, model, drafter_path, settings) for name in configs}
-    plain_ctx = Context(model, **settings)
-    generate(plain_ctx, "Hello", max_tokens=4)  # warm-up: weights paged in, threads started
+    """Per category: plain decoding of its prompts, then each configuration in turn. Only one configuration's
+    contexts exist at a time: an idle context's thread pool still polls for work, and on 2 cores a few of them
+    took a third of the active one's time."""
     per_prompt: dict[str, dict[str, list[dict]]] = {}
-    try:
-        for category, rows in tasks.items():
-            loops = {name: runner.speculator() for name, runner in runners.items()}
-            results = per_prompt[category] = {"plain": [], **{name: [] for name in configs}}
-            for row in rows:
-                text = model.apply_chat_template(row["messages"])
+    for category, rows in tasks.items():
+        results = per_prompt[category] = {"plain": [], **{name: [] for name in configs}}
+        texts = [model.apply_chat_template(row["messages"]) for row in rows]
+        plain_tokens = []
+        with Context(model, **settings) as plain_ctx:
+            generate(plain_ctx, "Hello", max_tokens=4)  # warm-up: weights paged in, threads started
+            for row, text in zip(rows, texts):
                 out = generate(plain_ctx, text, max_tokens=n_predict)
-                n_prompt = len(prompt_tokens(plain_ctx, text))
-                results["plain"].append({"id": row["id"], "n_prompt": n_prompt, "n_generated": len(out.tokens),
-                                         "t_prefill": out.t_prefill, "t_decode": out.t_decode, "match": True})
-                for name, spec in loops.items():
+                plain_tokens.append(out.tokens)
+                results["plain"].append({"id": row["id"], "n_prompt": len(prompt_tokens(plain_ctx, text)),
+                                         "n_generated": len(out.tokens), "t_prefill": out.t_prefill,
+                                         "t_decode": out.t_decode, "match": True})
+        for name in configs:
+            runner = Runner(name, model, drafter_path, settings)
+            try:
+                spec = runner.speculator()
+                for row, text, expected, plain in zip(rows, texts, plain_tokens, results["plain"]):
                     stats = SpecStats()
-                    tokens = [t for step in spec.run(prompt_tokens(runners[name].ctx, text), max_tokens=n_predict,
+                    tokens = [t for step in spec.run(prompt_tokens(runner.ctx, text), max_tokens=n_predict,
                                                      stats=stats) for t in step.tokens]
-                    results[name].append({"id": row["id"], "n_prompt": n_prompt, "n_generated": len(tokens),
+                    results[name].append({"id": row["id"], "n_prompt": plain["n_prompt"], "n_generated": len(tokens),
                                           "t_prefill": stats.t_prefill, "t_decode": stats.t_decode,
-                                          "match": tokens == out.tokens, "rounds": stats.rounds,
+                                          "match": tokens == expected, "rounds": stats.rounds,
                                           "accepted": stats.accepted, "drafted": stats.drafted,
                                           "plain_steps": stats.plain_steps,
                                           "by_source": stats.as_dict().get("by_source")})
-                line = " ".join(f"{name} {results[name][-1]['t_decode'] and results['plain'][-1]['t_decode'] / results[name][-1]['t_decode'] * results[name][-1]['n_generated'] / max(1, results['plain'][-1]['n_generated']):.2f}x"
-                                for name in configs)
-                print(f"  {row['id']:<16} n_prompt {n_prompt:5d}  {line}", file=sys.stderr, flush=True)
-    finally:
-        for runner in runners.values():
-            runner.close()
-        plain_ctx.close()
+            finally:
+                runner.close()
+            mine = summarize(results[name], results["plain"])
+            print(f"  {category:<14} {name:<10} {mine['speedup']:.2f}x (tau {mine['tau']:.2f}, e2e "
+                  f"{mine['e2e_speedup']:.2f}x, match {mine['token_match']}/{mine['prompts']})",
+                  file=sys.stderr, flush=True)
     return per_prompt
 
 

@@ -234,3 +234,35 @@ def test_generate_batch_after_an_interrupted_run_starts_clean(make_pair, monkeyp
         monkeypatch.undo()
         assert scheduler.idle
         assert [r.tokens for r in llm.generate_batch(PROMPTS[:3], parallel=2, max_tokens=10)] == reference
+
+
+def test_verify_cost_model_charges_the_fixed_part_shared_and_each_row_its_marginal_cost():
+    """Issue 34: a sequence's verify cost in a batch is its share of the decode's fixed part plus what its own rows
+    add at its own context length (fitted from the decodes), not its rows' fraction of the whole decode."""
+    from pyllama_dspark.batching import VerifyCostModel
+
+    model = VerifyCostModel()
+    assert model.share(0.012, 1, 4, 4, 400) == pytest.approx(0.003)  # proportional until fitted
+    rng = np.random.default_rng(0)
+    fixed, per_row, per_kcell = 0.008, 0.0006, 0.0004
+    for _ in range(40):
+        rows = int(rng.integers(4, 20))
+        cells = int(rows * rng.integers(100, 3000))
+        model.observe(rows, cells, fixed + per_row * rows + per_kcell * cells / 1000)
+    assert model.ready
+    np.testing.assert_allclose(model.coefficients(), [fixed, per_row, per_kcell], rtol=1e-3)
+    # one of 4 sequences verifying 4 rows at 1000 cells each pays a quarter of the fixed part and its rows
+    assert model.share(0.02, 4, 10, 4, 4000) == pytest.approx(fixed / 4 + 4 * per_row + 4 * per_kcell, rel=1e-3)
+
+
+def test_verify_cost_model_stays_proportional_without_a_usable_fit():
+    from pyllama_dspark.batching import VerifyCostModel
+
+    model = VerifyCostModel()
+    for _ in range(20):  # one row count only: the fixed part and the per-row cost cannot be told apart
+        model.observe(4, 4000, 0.01)
+    assert not model.ready and model.share(0.01, 1, 4, 4, 1000) == pytest.approx(0.0025)
+    falling = VerifyCostModel()
+    for rows in (2, 4, 8, 16) * 4:  # more rows, less time: a negative per-row cost is refused
+        falling.observe(rows, 100 * rows, 0.02 - 0.001 * rows)
+    assert not falling.ready

@@ -21,6 +21,8 @@ ONE_IF_ABOVE_0_2 = dict(verify={1: 1.0, 2: 1.2, 3: 100.0}, draft={1: 0.0, 2: 0.0
 
 
 def chooser(costs: dict, k_max: int = 4, **kwargs) -> DraftLengthChooser:
+    """A chooser on literal costs; without a margin unless given (the margin has tests of its own)."""
+    kwargs.setdefault("margin", 0.0)
     out = DraftLengthChooser(k_max, **kwargs)
     out.costs = StaticCostTable(**costs)
     return out
@@ -83,26 +85,35 @@ def test_rejected_probes_double_the_gap_up_to_64():
     assert gaps == [3, 6, 12, 24, 48, 64, 64, 64]
 
 
-def test_a_slow_average_at_the_break_even_does_not_slow_the_probes():
-    # slow_alpha 0 holds the slow average at the prior, which is the break-even exactly: (0 + 1.5) / 1 - 1
+def test_acceptances_at_the_break_even_do_not_slow_the_probes():
+    # alpha 0 and slow_alpha 0 hold both averages at the prior, which is the break-even exactly: (0 + 1.5) / 1 - 1
     half = dict(verify={1: 1.0, 2: 1.5, 3: 100.0}, draft={1: 0.0, 2: 0.0})
-    c = chooser(half, k_max=2, accept_prior=0.5, probe_every=2, slow_alpha=0.0)
+    c = chooser(half, k_max=2, accept_prior=0.5, alpha=0.0, probe_every=2, slow_alpha=0.0)
     assert c.break_even() == 0.5 and c.best() == 0  # one draft at 0.5 pays exactly as much as a plain step
     for _ in range(3):
         assert plain_steps_before_a_probe(c) == 1
         c.observe_acceptance(1, 0)
-    below = chooser(half, k_max=2, accept_prior=0.49, probe_every=2, slow_alpha=0.0)
+    below = chooser(half, k_max=2, accept_prior=0.49, alpha=0.0, probe_every=2, slow_alpha=0.0)
     below.observe_acceptance(1, 0)
     assert plain_steps_before_a_probe(below) == 3
 
 
-def test_accepted_probes_raise_the_slow_average_and_drafting_that_pays_resets_the_gap():
-    # accepted probes lift the slow average over the break-even: the next rejected probe does not double the gap
-    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.1, alpha=0.01, probe_every=2, slow_alpha=0.5)
-    c.observe_acceptance(1, 1)  # slow: 0.1 -> 0.55; slot 0: 0.1 -> 0.109, still no drafting
-    assert c.best() == 0
-    c.observe_acceptance(1, 0)  # slow 0.275 >= 0.2
-    assert plain_steps_before_a_probe(c) == 1
+def test_a_rejected_probe_slows_the_probes_when_either_average_is_below_the_break_even():
+    # the slow average lifted over the break-even by accepted probes keeps the gap only while the running
+    # acceptance is there too: an optimistic slow average alone (it starts at the prior) no longer does
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.1, alpha=0.5, probe_every=2, slow_alpha=0.5, margin=0.0)
+    c.observe_acceptance(1, 1)  # slow: 0.1 -> 0.55; slot 0: 0.1 -> 0.55, drafting pays
+    assert c.best() == 1
+    c.observe_acceptance(1, 0)  # slow 0.275, slot 0 0.275: both >= 0.2, a rejected draft does not slow probing
+    assert c.best() == 1
+    c.observe_acceptance(1, 0)  # slot 0 0.1375 < 0.2: no drafting; slow 0.1375: probes slowed
+    assert c.best() == 0 and plain_steps_before_a_probe(c) == 3
+    optimistic = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.9, alpha=0.9, probe_every=2, slow_alpha=0.0)
+    optimistic.observe_acceptance(1, 0)  # slot 0: 0.09, the slow average still 0.9: slowed by the running one
+    assert optimistic.best() == 0 and plain_steps_before_a_probe(optimistic) == 3
+
+
+def test_drafting_that_pays_resets_the_gap():
     # a gap doubled by rejections goes back to probe_every once one draft pays, even if it pays by one slot only
     c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.1, alpha=0.5, probe_every=2)
     c.observe_acceptance(1, 0)  # slot 0: 0.05, gap 4
@@ -151,12 +162,12 @@ def test_expected_tokens_multiply_in_float64_whatever_the_input_dtype():
 
 
 def test_observe_round_hands_the_drafted_count_to_the_cost_table():
-    c = DraftLengthChooser(4)
+    c = DraftLengthChooser(4, margin=0.0)
     c.observe_round(2, 1, 0.3, 1.0, k_drafted=4)  # 4 drafted, 2 kept by the cut, 3 rows verified
     assert c.costs.measured("draft") == [4] and c.costs.measured("verify") == [3]
     c.observe_round(1, 1, 0.1, 1.0)  # k_drafted defaults to k
     assert c.costs.measured("draft") == [1, 4] and c.costs.measured("verify") == [2, 3]
-    sources = SourceChooser({"a": 4, "b": 4})
+    sources = SourceChooser({"a": 4, "b": 4}, margin=0.0)
     sources.observe_round("b", 1, 0, 0.2, 1.0, k_drafted=3)
     assert sources.choosers["b"].costs.measured("draft") == [3] and sources.choosers["a"].costs.measured("draft") == []
     assert sources.choosers["a"].costs.measured("verify") == [2]  # verify costs are shared
@@ -196,7 +207,7 @@ def test_a_source_chooser_needs_a_source():
 
 
 def source_chooser(costs: dict, **accept: float) -> SourceChooser:
-    out = SourceChooser({name: 4 for name in accept})
+    out = SourceChooser({name: 4 for name in accept}, margin=0.0)
     for name, value in accept.items():
         out.choosers[name].costs = StaticCostTable(**costs)
         out.choosers[name].accept[:] = value
@@ -227,3 +238,14 @@ def test_when_no_source_drafts_the_last_one_asked_is_returned():
     assert sources.choose({"a": 4, "b": 4}) == ("b", 0)
     assert sources.choose({"a": 4, "b": 4}, free={"a", "b"}) == ("b", 0)
     assert sources.choose({"a": 4, "b": 4}, free={"b"}) == ("a", 0)
+
+
+def test_the_margin_keeps_plain_steps_where_a_draft_pays_by_less():
+    # one draft at acceptance a pays (1 + a) / 1.2 times a plain step: 1.042x at 0.25, 1.058x at 0.27
+    assert chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.25, margin=0.05).best() == 0
+    assert chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.27, margin=0.05).best() == 1
+    assert chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.25, margin=0.0).best() == 1
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.27, margin=0.05)
+    assert c.break_even() == pytest.approx(1.05 * 1.2 - 1)
+    assert c.best_rate() == (1, pytest.approx(1.27 / 1.2 / 1.05))  # the rate a source is compared by, deflated
+    assert DraftLengthChooser(4).margin == 0.05 and SourceChooser({"a": 2}).choosers["a"].margin == 0.05

@@ -304,3 +304,30 @@ def test_prompt_lookup_in_the_loop_matches_plain_greedy(target_path):
             spec = Speculator(ctx, PromptLookupDrafter(block_size=4), n_draft=n_draft)
             steps = list(spec.run(np.array(prompt, dtype=np.int32), max_tokens=48, stop_at_eog=False))
             assert [t for s in steps for t in s.tokens] == expected
+
+
+def test_observations_in_pieces_with_stale_overwrites_inject_what_one_observation_would(target_path, make_drafter):
+    """Observed rows wait (as a list of pieces) until the next propose: pieces at the end extend them, a piece at an
+    earlier position replaces what was observed there and after. The drafter then drafts exactly as if the final
+    rows had been observed at once."""
+    rng = np.random.default_rng(0)
+    with Model(target_path) as model:
+        ctx = Context(model, n_ctx=256, n_batch=64)
+        pieces, whole = DSparkDrafter(make_drafter(), ctx), DSparkDrafter(make_drafter(), ctx)
+        try:
+            rows = rng.standard_normal((30, pieces.width)).astype(np.float32)
+            stale = rng.standard_normal((8, pieces.width)).astype(np.float32)
+            tokens = np.arange(30, dtype=np.int32) % 200 + 1
+            pieces.observe(tokens[:10], rows[:10], 0)
+            pieces.observe(tokens[10:16], stale[:6], 10)     # rejected later: replaced from 12 and from 10
+            pieces.observe(tokens[12:20], stale[:8], 12)
+            pieces.observe(tokens[10:20], rows[10:20], 10)
+            pieces.observe(tokens[20:23], rows[20:23], 20)
+            pieces.observe(tokens[22:30], rows[22:30], 22)   # overlaps the last piece by one row
+            whole.observe(tokens, rows, 0)
+            a, b = pieces.propose(7, 30), whole.propose(7, 30)
+            np.testing.assert_array_equal(a.logits, b.logits)
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+        finally:
+            pieces.close()
+            whole.close()

@@ -23,9 +23,9 @@ from test_rejection import (E2E_TARGET, NoisyOracleDrafter, chi2_critical, exact
                             pooled_chi_square)
 
 # SmolLM2 Q4_1 on 2 threads (ms): a verify of n rows, a DSpark draft of k slots; prompt lookup is a numpy search
-VERIFY = {1: 8.0, 2: 9.2, 3: 10.9, 4: 12.5, 5: 14.2}
+VERIFY = {1: 8.0, 2: 9.2, 3: 10.9, 4: 12.5, 5: 14.2, 6: 15.9, 7: 17.6, 8: 19.3, 9: 21.0}  # prompt lookup: 8 drafts
 DSPARK_DRAFT = {1: 2.7, 2: 2.8, 3: 2.9, 4: 3.0}
-LOOKUP_DRAFT = {1: 0.05, 2: 0.05, 3: 0.05, 4: 0.05}
+LOOKUP_DRAFT = {k: 0.05 for k in range(1, 9)}
 
 SPECS = {"llama": TinySpec(arch="llama", n_layer=2), "qwen35": TinySpec(arch="qwen35", n_layer=3)}
 SEED_TEXT = [1, 17, 42, 99, 3, 250, 7]
@@ -118,8 +118,8 @@ def test_the_hybrid_drafter_forwards_to_both_sources():
     expected = SEED_TEXT * 3
     model = drafters.ScriptedDrafter(expected, n_vocab=256, block_size=6, capture_layers=[0])
     hybrid = HybridDrafter(model)
-    assert hybrid.capture_layers == [0] and hybrid.block_size == 6
-    assert hybrid.sources == {"lookup": 4, "draft": 6}
+    assert hybrid.capture_layers == [0] and hybrid.block_size == 8  # prompt lookup's default block is larger
+    assert hybrid.sources == {"lookup": 8, "draft": 6}
     rows = np.zeros((len(SEED_TEXT) + 3, 8), np.float32)
     hybrid.observe(np.array(SEED_TEXT + [1, 17, 42]), rows, 0)
     assert model.observed[0][0] == 0 and model.observed[0][2].shape == rows.shape
@@ -171,7 +171,7 @@ def arch_pair(request, make_pair):
 def run_hybrid(model, drafter_path, prompt, n_draft, sampler=None):
     """(tokens, steps, stats) of a HybridDrafter over the DSpark drafter at drafter_path (static costs when
     cost-aware)."""
-    ctx = Context(model, n_ctx=512, n_batch=16, n_ubatch=8, n_rs_seq=Speculator.target_rs_seq(4))
+    ctx = Context(model, n_ctx=512, n_batch=16, n_ubatch=12, n_rs_seq=Speculator.target_rs_seq(8))
     hybrid = HybridDrafter(DSparkDrafter(drafter_path, ctx))
     spec = Speculator(ctx, hybrid, n_draft=n_draft)
     if spec.source_chooser is not None:
@@ -324,10 +324,10 @@ def test_load_with_prompt_lookup_wraps_the_drafter_and_stays_exact(make_pair):
 
 
 def test_qwen35_target_gets_snapshots_for_the_larger_block_through_load(make_pair):
-    """A 2-slot drafter and 4-token lookups: the hybrid target's context must roll back 4 drafts."""
+    """A 2-slot drafter and 8-token lookups: the hybrid target's context must roll back 8 drafts."""
     pair = make_pair(SPECS["qwen35"], block_size=2)
     with pyllama_dspark.load(pair.target, drafter=pair.drafter, n_ctx=512, prompt_lookup=True) as llm:
-        assert llm.drafter.block_size == 4 and llm.ctx.n_rs_seq >= 4
+        assert llm.drafter.block_size == 8 and llm.ctx.n_rs_seq >= 8
         expected = plain_greedy(llm.model, PROMPTS[0], 32)
         assert llm.generate(PROMPTS[0], max_tokens=32, stop_at_eog=False).tokens == expected
 
