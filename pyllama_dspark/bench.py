@@ -123,7 +123,7 @@ class BenchSummary:
 
 def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], prompts: list[dict], *,
               n_predict: int, n_draft: int | None = None, n_draft_min: int = 0, p_min: float = 0.0,
-              prompt_lookup: bool = False, n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
+              prompt_lookup: bool | None = None, n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
               n_gpu_layers: int = 0, consistent_numerics: bool = True,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               seed: int | None = 0) -> Iterator[PromptResult]:
@@ -134,7 +134,8 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
         drafter: a DSpark drafter GGUF, or a function that makes a Drafter for the speculative context.
         n_draft: fixed draft length; None = cost-aware (the Speculator's default).
         n_draft_min, p_min: as ``Speculator`` and ``DSparkDrafter`` take them.
-        prompt_lookup: wrap the drafter in a ``HybridDrafter`` (prompt lookup first, then the drafter).
+        prompt_lookup: wrap the drafter in a ``HybridDrafter`` (prompt lookup first, then the drafter); None (the
+            default configuration, as ``load``): for a drafter given as a path.
         consistent_numerics: the mode of both contexts (``Context``). False measures a GPU's verify without it:
             faster there, and the output may then differ from plain decoding (``PromptResult.match``).
         temperature, top_k, top_p, seed: the sampling of both runs (one seed for both).
@@ -144,6 +145,8 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
     """
     if any("messages" in item for item in prompts) and model.chat_template is None:
         raise ValueError(f"{model.path.name} has no chat template: chat ({{\"messages\"}}) prompts cannot be formatted")
+    if prompt_lookup is None:
+        prompt_lookup = not callable(drafter)
     if callable(drafter):
         make_drafter, k_rs = drafter, n_draft or 16  # the block size is known once the drafter exists
     else:

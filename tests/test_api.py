@@ -184,7 +184,7 @@ def test_the_library_prints_nothing_unless_logging_is_configured(target, drafter
 
 def test_load_passes_the_draft_cut_settings_on(target, drafter_path):
     with pyllama_dspark.load(target, drafter=drafter_path, n_draft=3, n_draft_min=2, p_min=0.25) as llm:
-        assert (llm.speculator.n_draft, llm.speculator.n_draft_min, llm.drafter.p_min) == (3, 2, 0.25)
+        assert (llm.speculator.n_draft, llm.speculator.n_draft_min, llm.drafter.model_drafter.p_min) == (3, 2, 0.25)
         assert llm.speculator.plain_tok_s_estimate() is None  # nothing measured yet
         llm.generate(PROMPT, max_tokens=16)
         assert llm.speculator.plain_tok_s_estimate() > 0

@@ -317,8 +317,12 @@ def test_load_with_prompt_lookup_wraps_the_drafter_and_stays_exact(make_pair):
         with pyllama_dspark.load(model, n_ctx=512, prompt_lookup=True) as llm:  # no drafter: lookup alone
             assert isinstance(llm.drafter, PromptLookupDrafter)
             assert llm.generate(prompt, max_tokens=32, stop_at_eog=False).tokens == expected
-        with pyllama_dspark.load(model, drafter=pair.drafter, n_ctx=512) as llm:  # the default: no lookup
+        with pyllama_dspark.load(model, drafter=pair.drafter, n_ctx=512) as llm:  # the default: the hybrid
+            assert isinstance(llm.drafter, HybridDrafter)
+        with pyllama_dspark.load(model, drafter=pair.drafter, n_ctx=512, prompt_lookup=False) as llm:
             assert isinstance(llm.drafter, DSparkDrafter)
+        with pyllama_dspark.load(model, n_ctx=512) as llm:  # no drafter: plain decoding stays plain
+            assert llm.drafter is None
         with pytest.raises(TypeError, match="prompt_lookup"):
             pyllama_dspark.load(model, drafter=pair.drafter, prompt_lookup="yes")
 
@@ -339,7 +343,7 @@ def test_the_prompt_lookup_flag_is_on_every_drafting_subcommand():
     common = {"generate": ["-m", "t.gguf", "-p", "x"], "chat": ["-m", "t.gguf"],
               "bench": ["-m", "t.gguf", "-md", "d.gguf", "--prompts", "p.jsonl"], "demo": []}
     for command, args in common.items():
-        assert parser.parse_args([command, *args]).prompt_lookup is False, command
+        assert parser.parse_args([command, *args]).prompt_lookup is None, command  # on with a drafter, else off
         assert parser.parse_args([command, *args, "--prompt-lookup"]).prompt_lookup is True, command
         assert parser.parse_args([command, *args, "--prompt-lookup", "--no-prompt-lookup"]).prompt_lookup is False
 
