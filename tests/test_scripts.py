@@ -201,3 +201,27 @@ def test_bench_rpc_small(tmp_path, make_pair):
             remote = [name for name in figures["model_buffers_mib"] if name.startswith("RPC")]
             assert len(remote) == {"local": 0, "one server": 1, "two servers": 2}[placement], figures
             assert (figures["graphs_sent_per_token"] > 0) == (placement != "local")
+
+
+def test_bench_tasks_small(tmp_path, make_pair):
+    """The task-category benchmark on a tiny chat-templated pair and the committed prompt set (two categories,
+    two prompts each, a few tokens): every configuration's output equals plain decoding's."""
+    from pyllama_dspark.testing import TinySpec
+
+    pair = make_pair(TinySpec(arch="llama", n_layer=2, vocab="llama-spm", chat_template="chatml"))
+    plot = tmp_path / "tasks.png"
+    try:
+        import matplotlib  # noqa: F401  (the plot extra)
+        plotting = ["--plot", str(plot)]
+    except ImportError:
+        plotting = []
+    result = run_script("bench_tasks.py", "--model", str(pair.target), "--drafter", str(pair.drafter),
+                        "--categories", "qa", "code_edit", "--per-category", "2", "--n-predict", "6",
+                        "--n-threads", "2", "--batched", "2", *plotting, tmp_path=tmp_path)
+    assert set(result["categories"]) == {"qa", "code_edit"}
+    for category in result["categories"].values():
+        assert set(category) == {"dspark", "dspark-k4", "lookup", "hybrid"}
+        assert all(f["token_match"] == f["prompts"] == 2 for f in category.values())
+    assert set(result["batched"]["2"]) == {"qa", "code_edit"}
+    assert all(f["token_match"] == 2 for f in result["batched"]["2"].values())
+    assert not plotting or plot.stat().st_size > 0
