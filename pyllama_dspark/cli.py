@@ -582,7 +582,7 @@ def demo_tasks(prompt: str | None) -> list[tuple[str, str]]:
     """The demo's (task, user message) mix: what users run for speed, fixed in advance (never picked for their
     numbers): a chat question, a question about a document (numpy's docstring of ``numpy.clip``, from the numpy
     this package depends on) and a code edit. ``--prompt`` replaces the mix with one chat message."""
-    if prompt is not None and prompt != DEMO_PROMPT:
+    if prompt is not None:
         return [("chat", prompt)]
     import inspect
 
