@@ -52,8 +52,9 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
             promises more tokens per second (with a fixed n_draft: lookup whenever it matches). Without a
             drafter, prompt lookup alone (``PromptLookupDrafter()``). Default (None): on with a DSpark drafter
             given as a path, off otherwise (plain decoding stays plain, a Drafter object stays as given). The
-            hybrid is the default because it was the fastest configuration on every task category measured
-            (README "Which configuration"); False keeps the DSpark drafter alone.
+            hybrid is the default because it beat the DSpark drafter alone on every task category measured and
+            was level with prompt lookup alone overall (README "Which configuration"); False keeps the DSpark
+            drafter alone.
         n_gpu_layers: target layers to offload to a GPU or the RPC servers (default: all with ``rpc_servers``,
             else 0). A DSpark drafter's own layers stay local unless it is given.
         rpc_servers, tensor_split: the target's layers on rpc-servers (see ``Model``); a path target only.

@@ -326,9 +326,11 @@ class BatchScheduler:
         features = self.ctx.capture() if self._capturing else None
         n_rows = self._batch.n_tokens
         t_verify = time.perf_counter() - t1
-        # each row attends to its sequence's cells up to its own position
-        cells = {seq: (len(chosen[seq][1]) + 1) * (seq.pos + 1) + len(chosen[seq][1]) * (len(chosen[seq][1]) + 1) // 2
-                 for seq in decoding}
+        # each of a sequence's k + 1 rows attends to its cells up to its own position: pos + 1, ..., pos + k + 1
+        cells = {}
+        for seq in decoding:
+            k = len(chosen[seq][1])
+            cells[seq] = (k + 1) * (seq.pos + 1) + k * (k + 1) // 2
         self.verify_costs.observe(n_rows, sum(cells.values()), t_verify)
         from .speculative import Speculator  # the accept rule of the single-sequence loop, shared
 

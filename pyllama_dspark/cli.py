@@ -109,7 +109,8 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                    help="also draft by prompt lookup (what followed the text's last tokens earlier in the prompt or "
                         "output): each round drafts from lookup or the drafter, whichever promises more tokens per "
                         "second (with --draft-max: lookup whenever it matches); without a drafter, lookup alone. "
-                        "Default: on with a drafter (the fastest configuration measured), off without; "
+                        "Default: on with a drafter (faster than the drafter alone on every task measured), off "
+                        "without; "
                         "--no-prompt-lookup keeps the drafter alone")
 
 
@@ -344,6 +345,7 @@ def _consistent_numerics(args, model) -> bool:
     without. A probe context finds out before any real one is made."""
     from .context import Context
     from .errors import INEXACT_BACKEND, UnsupportedModeError
+    from .speculative import inexact_verify_said
 
     if not args.consistent_numerics:
         return False
@@ -351,8 +353,7 @@ def _consistent_numerics(args, model) -> bool:
         Context(model, n_ctx=256, n_batch=64, n_threads=1).close()
     except UnsupportedModeError:
         _say(INEXACT_BACKEND)
-        # the Speculator's own warning about an inexact GPU verify would say it a second time
-        warnings.filterwarnings("ignore", message="the target runs on a GPU backend with consistent_numerics=False")
+        inexact_verify_said()
         args.consistent_numerics = False
     return args.consistent_numerics
 

@@ -75,6 +75,13 @@ def _warn_inexact_verify() -> None:
                       "output (Context(consistent_numerics=True) keeps them equal on Vulkan)", stacklevel=3)
 
 
+def inexact_verify_said() -> None:
+    """The caller has told the user that output may differ from plain decoding (the CLI's and the server's one
+    line when the backend has no consistent-numerics mode): the Speculator's own warning is not given again."""
+    global _warned_inexact_verify
+    _warned_inexact_verify = True
+
+
 class Speculator:
     """Speculative decoding of a target with a drafter.
 

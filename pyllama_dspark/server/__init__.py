@@ -14,7 +14,6 @@ import os
 import socket
 import sys
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +65,7 @@ def build(options: ServeOptions, *, open_llm=None):
     def load_llm():
         from ..api import load
         from ..errors import INEXACT_BACKEND, UnsupportedModeError
+        from ..speculative import inexact_verify_said
 
         kwargs = dict(n_ctx=options.n_ctx, n_threads=options.n_threads, n_batch=options.n_batch,
                       n_gpu_layers=options.n_gpu_layers, rpc_servers=options.rpc_servers,
@@ -76,7 +76,7 @@ def build(options: ServeOptions, *, open_llm=None):
             if kwargs.get("consistent_numerics") is not None:
                 raise  # asked for explicitly (serve's CLI passes False only)
             print(f"pyllama-dspark: {INEXACT_BACKEND}", file=sys.stderr, flush=True)
-            warnings.filterwarnings("ignore", message="the target runs on a GPU backend with consistent_numerics=False")
+            inexact_verify_said()
             return load(options.model, options.drafter, **kwargs, consistent_numerics=False)
 
     engine = Engine(open_llm or load_llm, max_queue=options.max_queue, parallel=options.parallel)
