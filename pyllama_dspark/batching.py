@@ -15,8 +15,17 @@ next prompt chunk of one prefilling sequence (with its ``CancelToken`` as the ab
 sequence that drafts this round in one drafter decode (``DSparkDrafter.propose_many``); verify every decoding
 sequence's [anchor, drafts] in one target decode; accept, roll back each sequence's rejected cells, feed the drafter
 the committed rows; end the sequences that hit end-of-generation, a stop string, ``max_tokens`` or their context.
-A finished sequence's KV (and recurrent state) is freed at once. Each step returns the new ``TokenEvent``s of every
-sequence, the last one of a finished sequence carrying its ``GenerationResult``.
+A finished sequence's KV (and recurrent state) is freed at once, unless the scheduler caches prompts. Each step
+returns the new ``TokenEvent``s of every sequence, the last one of a finished sequence carrying its
+``GenerationResult``.
+
+The prompt cache (``cache_prompts``): a finished sequence leaves its memory in its slot (the target's KV, a hybrid
+target's recurrent state, the drafter's memory of the captured features) with the token ids it holds. A new request
+goes to the free slot whose ids share the longest prefix with its prompt, when that prefix is at least
+``min_prefix_share`` of the prompt; else to an empty slot, or the one least recently used. Every memory of the slot
+is trimmed to the shared prefix (``seq_rm`` on the target, the drafter drops what it held from there on when the
+prefill feeds it) and only the rest is prefilled. The last prompt token is always decoded again (its logits are
+needed). A recurrent state cannot be rewound, so a hybrid or recurrent target keeps all of a slot's ids or none.
 
 The draft length is chosen per sequence: a fixed ``n_draft``, or the cost-aware ``DraftLengthChooser`` of that
 sequence. Its verify cost is what its rows add to the batched decode: ``VerifyCostModel`` fits each decode's time as
@@ -46,6 +55,7 @@ from .sampling import Sampler
 from .stats import SpecStats
 
 MAX_EXACT_ROWS = 64  # rows a decode may have for consistent numerics to hold (patches 0005, 0012)
+_NOTHING = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -126,7 +136,8 @@ class BatchSequence:
         self.text = text
         self.tokens: list[int] = []
         self.chooser = chooser
-        self.prefilled = 0  # prompt tokens decoded so far
+        self.prefilled = 0  # prompt tokens decoded so far (from the kept prefix on, with the prompt cache)
+        self.in_memory: list[int] | None = []  # the ids the sequence's memory holds; None: unknown (an aborted decode)
         self.pos = 0  # the anchor's position, once prefilled
         self.anchor = -1
         self.result: GenerationResult | None = None
@@ -152,6 +163,11 @@ class BatchScheduler:
             decoding, batched.
         n_draft: drafts per round per sequence; None: cost-aware per sequence.
         max_rows: most rows in one verify decode (at most 64, where the exact mode holds).
+        cache_prompts: keep a finished sequence's memory in its slot and reuse its longest common prefix with a new
+            request (the prompt cache; see the module's docstring). ``stats.n_reused`` says how many prompt tokens
+            a request found there.
+        min_prefix_share: the share of a prompt a slot's kept ids must cover for the request to take that slot
+            rather than an empty or the least recently used one (llama-server's slot similarity).
         on_rows: called as ``on_rows(sequence, capture_rows, logit_rows)`` with what each decode gave a sequence:
             the capture rows (dense, when the context captures) of the positions it decoded and keeps (a prompt
             chunk's, or the anchor and accepted drafts of a round), and the logit rows its committed tokens were
@@ -163,8 +179,11 @@ class BatchScheduler:
     """
 
     def __init__(self, ctx: Context, drafter=None, *, n_draft: int | None = None, max_rows: int = MAX_EXACT_ROWS,
-                 on_rows=None):
+                 on_rows=None, cache_prompts: bool = False, min_prefix_share: float = 0.1):
         checks.instance("ctx", ctx, Context)
+        min_prefix_share = checks.number("min_prefix_share", min_prefix_share)
+        if not 0.0 <= min_prefix_share <= 1.0:
+            raise ValueError(f"min_prefix_share must be in [0, 1], got {min_prefix_share}")
         max_rows = checks.integer("max_rows", max_rows, minimum=1)
         if max_rows > MAX_EXACT_ROWS:
             raise ValueError(f"max_rows must be <= {MAX_EXACT_ROWS} (the rows consistent numerics covers), got "
@@ -194,6 +213,11 @@ class BatchScheduler:
         self._batch = Batch(max(ctx.n_batch, max_rows), n_seq_max=self.n_slots)
         self._waiting: collections.deque[BatchSequence] = collections.deque()
         self._slots: list[BatchSequence | None] = [None] * self.n_slots
+        self.min_prefix_share = min_prefix_share
+        self._cache_prompts = bool(cache_prompts)
+        self._held: list[np.ndarray] = [_NOTHING] * self.n_slots  # the ids each idle slot's memory holds
+        self._last_used = [0] * self.n_slots  # admission count at which each slot was last taken
+        self._admissions = 0
         ctx.clear()
         if drafter is not None:
             drafter.reset()
@@ -251,14 +275,73 @@ class BatchScheduler:
             self.step()
         return [h.result for h in handles]
 
+    @property
+    def cache_prompts(self) -> bool:
+        """Whether a finished sequence's memory stays in its slot for the next request (the prompt cache)."""
+        return self._cache_prompts
+
+    @cache_prompts.setter
+    def cache_prompts(self, enabled: bool) -> None:
+        self._cache_prompts = bool(enabled)
+        if not enabled:
+            for slot, seq in enumerate(self._slots):
+                if seq is None:
+                    self._forget_slot(slot)
+
+    @property
+    def held(self) -> list[list[int]]:
+        """The token ids each slot's memory keeps for the next request ([] for a slot holding nothing or busy)."""
+        return [held.tolist() if seq is None else [] for held, seq in zip(self._held, self._slots)]
+
     def _admit(self, events) -> None:
-        for i, slot in enumerate(self._slots):
-            while self._slots[i] is None and self._waiting:
-                seq = self._waiting.popleft()
-                seq.seq_id = i
-                self._slots[i] = seq
-                if seq.request.max_tokens == 0:
-                    self._finish(seq, "max_tokens", events)
+        while self._waiting and None in self._slots:
+            seq = self._waiting.popleft()
+            slot, keep = self._choose_slot(seq.request.tokens)
+            self._admissions += 1
+            self._last_used[slot] = self._admissions
+            seq.seq_id = slot
+            self._slots[slot] = seq
+            if keep:
+                self.ctx.seq_rm(slot, keep, -1)  # the drafter drops its stale part when the prefill feeds it
+            elif len(self._held[slot]):
+                self._forget_slot(slot)
+            self._held[slot] = _NOTHING
+            seq.prefilled = seq.stats.n_reused = keep
+            seq.in_memory = [int(t) for t in seq.request.tokens[:keep]]
+            if seq.request.max_tokens == 0:
+                self._finish(seq, "max_tokens", events)
+
+    def _choose_slot(self, tokens: np.ndarray) -> tuple[int, int]:
+        """The free slot for a prompt and how many of its leading tokens that slot's memory keeps."""
+        free = [i for i, seq in enumerate(self._slots) if seq is None]
+        if not self._cache_prompts:
+            return free[0], 0
+        kept = {i: self._reusable(i, tokens) for i in free}
+        best = max(free, key=lambda i: (kept[i], self._last_used[i]))
+        if kept[best] and kept[best] >= self.min_prefix_share * len(tokens):
+            return best, kept[best]
+        # a short match: spare the other slots' memories, take an empty slot or the least recently used one
+        return min(free, key=lambda i: (len(self._held[i]) > 0, self._last_used[i])), 0
+
+    def _reusable(self, slot: int, tokens: np.ndarray) -> int:
+        """Leading prompt tokens a slot's memory keeps: the common prefix of its ids and the prompt, short of the
+        prompt's last token (its logits are needed); for a recurrent state all of the ids or nothing. Nothing when
+        the memory no longer ends where the ids do (something else touched the context)."""
+        held = self._held[slot]
+        n = min(len(held), len(tokens) - 1)
+        if n <= 0 or self.ctx.seq_pos_max(slot) != len(held) - 1:
+            return 0
+        differs = np.flatnonzero(held[:n] != np.asarray(tokens[:n]))
+        keep = int(differs[0]) if differs.size else n
+        if (self.ctx.model.is_recurrent or self.ctx.model.is_hybrid) and keep != len(held):
+            return 0
+        return keep
+
+    def _forget_slot(self, slot: int) -> None:
+        self.ctx.seq_rm(slot)
+        if self.drafter is not None:
+            self.drafter.reset(slot)
+        self._held[slot] = _NOTHING
 
     def _prefill_chunk(self, seq: BatchSequence, events) -> None:
         """The next n_batch prompt tokens of one sequence, alone in its decode (the chunks a solo run decodes)."""
@@ -275,6 +358,7 @@ class BatchScheduler:
             else:
                 self.ctx.decode(self._batch)
         except DecodeAbortedError:
+            seq.in_memory = None  # an aborted decode may have left some of the chunk's cells
             self._finish(seq, "cancelled", events)
             return
         rows = self.ctx.capture() if self._capturing else None
@@ -284,6 +368,7 @@ class BatchScheduler:
             self.on_rows(seq, rows, None)
         seq.stats.t_prefill += time.perf_counter() - t0
         seq.prefilled += len(chunk)
+        seq.in_memory.extend(int(t) for t in chunk)
         if last:
             seq.pos = len(tokens)
             seq._t_decode0 = time.perf_counter()
@@ -340,6 +425,8 @@ class BatchScheduler:
             n, token = Speculator._accept(drafts_k, draft, logits[start:start + k + 1], seq.request.sampler)
             if n < k:
                 self.ctx.seq_rm(seq.seq_id, seq.pos + n + 1, -1)
+            seq.in_memory.append(int(seq.anchor))
+            seq.in_memory.extend(int(t) for t in drafts_k[:n])
             rows = None if features is None else features[start:start + n + 1]
             if self.drafter is not None:
                 committed_rows = np.concatenate([[seq.anchor], drafts_k[:n]]).astype(np.int32)
@@ -393,22 +480,25 @@ class BatchScheduler:
             self._finish(seq, reason, events)
 
     def _finish(self, seq: BatchSequence, reason: str, events) -> None:
-        """End a sequence: its last event carries the result; its KV and the drafter's memory of it are freed."""
+        """End a sequence: its last event carries the result; its KV and the drafter's memory of it are freed, or
+        with the prompt cache kept in its slot with the ids they hold."""
         seq.stats.stop_reason = reason
         if seq._t_decode0:
             seq.stats.t_decode = time.perf_counter() - seq._t_decode0
         tail = seq.text.finish() if reason != "cancelled" else ""
         seq.result = GenerationResult(seq.text.text, list(seq.tokens), reason, seq.stats)
         events[seq].append(TokenEvent(token=-1, text=tail, stop_reason=reason, result=seq.result))
-        self.ctx.seq_rm(seq.seq_id)
-        if self.drafter is not None:
-            self.drafter.reset(seq.seq_id)
+        if self._cache_prompts and seq.in_memory is not None:
+            self._held[seq.seq_id] = np.asarray(seq.in_memory, dtype=np.int64)
+        else:
+            self._forget_slot(seq.seq_id)
         self._slots[seq.seq_id] = None
 
     def reset(self) -> None:
         """Drop every sequence, running or waiting, and clear the memory (after a failed step)."""
         self._waiting.clear()
         self._slots = [None] * self.n_slots
+        self._held = [_NOTHING] * self.n_slots
         self.ctx.clear()
         if self.drafter is not None:
             self.drafter.reset()

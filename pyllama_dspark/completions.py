@@ -25,9 +25,11 @@ def completion_head(*, chat: bool, model_name: str) -> dict:
 
 
 def usage(result) -> dict:
-    """``usage`` of a finished generation: prompt, completion and total token counts."""
+    """``usage`` of a finished generation: prompt, completion and total token counts, and (OpenAI's
+    ``prompt_tokens_details.cached_tokens``) the prompt tokens whose memory a previous generation left."""
     n_prompt, n_completion = result.n_prompt, len(result.tokens)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion,
+            "prompt_tokens_details": {"cached_tokens": result.stats.n_reused}}
 
 
 def completion(result, head: dict, *, chat: bool, speculative: bool) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import weakref
 from pathlib import Path
@@ -254,6 +255,12 @@ class Model(Owned):
             if n >= 0:
                 return ffi.buffer(buf, n)[:]
             size = -n
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest piece of the vocabulary in bytes (special tokens' text included): a text of b bytes takes at
+        least b / max_token_bytes tokens."""
+        return max(len(self.token_to_piece(t, special=True)) for t in range(self.n_vocab))
 
     def _special_text(self, kind: str) -> str:
         token = self.special_tokens[kind]

@@ -265,7 +265,8 @@ def test_every_field_of_every_completion_dict_on_every_finish_path(target, eog_t
     expected = {"id": out["id"], "created": out["created"], "model": path.name,
                 "object": "chat.completion" if chat else "text_completion", "choices": [choice],
                 "usage": {"prompt_tokens": reference.n_prompt, "completion_tokens": len(reference.tokens),
-                          "total_tokens": reference.n_prompt + len(reference.tokens)}}
+                          "total_tokens": reference.n_prompt + len(reference.tokens),
+                          "prompt_tokens_details": {"cached_tokens": 0}}}
     got = dict(out)
     if with_drafter:
         assert set(got["speculative"]) == set(reference.stats.as_dict())

@@ -6,11 +6,19 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
 from pyllama_dspark.completions import completion, completion_chunks, completion_head
+
+
+class Stats:
+    def __init__(self, n_reused: int = 0):
+        self.n_reused = n_reused
+
+    def as_dict(self):
+        return {"rounds": 3, "tau": 1.5}
 
 
 @dataclass
@@ -19,7 +27,7 @@ class Result:
     tokens: list
     n_prompt: int
     finish_reason: str
-    stats: object = None
+    stats: Stats = field(default_factory=Stats)
 
 
 @dataclass
@@ -27,11 +35,6 @@ class Event:
     text: str
     stop_reason: str | None = None
     finish_reason: str | None = None
-
-
-class Stats:
-    def as_dict(self):
-        return {"rounds": 3, "tau": 1.5}
 
 
 HEAD = {"id": "cmpl-x", "created": 7, "model": "m.gguf"}
@@ -54,22 +57,25 @@ def test_a_text_completion_dict(finish):
     assert completion(result, HEAD, chat=False, speculative=False) == {
         "id": "cmpl-x", "created": 7, "model": "m.gguf", "object": "text_completion",
         "choices": [{"index": 0, "text": "Hello there", "logprobs": None, "finish_reason": finish}],
-        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                  "prompt_tokens_details": {"cached_tokens": 0}}}
 
 
 def test_a_chat_completion_dict_with_speculative_statistics():
-    result = Result("Hi!", [9, 8], 11, "stop", Stats())
+    result = Result("Hi!", [9, 8], 11, "stop", Stats(n_reused=8))
     assert completion(result, HEAD, chat=True, speculative=True) == {
         "id": "cmpl-x", "created": 7, "model": "m.gguf", "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi!"}, "logprobs": None,
                      "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13},
+        "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13,
+                  "prompt_tokens_details": {"cached_tokens": 8}},
         "speculative": {"rounds": 3, "tau": 1.5}}
 
 
 def test_an_empty_completion_counts_no_tokens():
     out = completion(Result("", [], 6, "length"), HEAD, chat=False, speculative=False)
-    assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 0, "total_tokens": 6}
+    assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 0, "total_tokens": 6,
+                            "prompt_tokens_details": {"cached_tokens": 0}}
     assert out["choices"][0]["text"] == ""
 
 

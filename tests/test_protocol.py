@@ -288,7 +288,7 @@ class Result:
     stats: Stats = None
 
 
-TIMINGS = {"prompt_n": 5, "prompt_ms": 250.0, "prompt_per_token_ms": 50.0, "prompt_per_second": 20.0,
+TIMINGS = {"cache_n": 5, "prompt_n": 5, "prompt_ms": 250.0, "prompt_per_token_ms": 50.0, "prompt_per_second": 20.0,
            "predicted_n": 8, "predicted_ms": 500.0, "predicted_per_token_ms": 62.5, "predicted_per_second": 16.0,
            "draft_n": 12, "draft_n_accepted": 7}
 
@@ -297,7 +297,7 @@ def test_timings_against_literal_values():
     assert timings(Stats()) == TIMINGS
     nothing = timings(Stats(n_prompt=6, n_reused=6, t_prefill=0.0, t_decode=0.0, n_generated=0, drafted=0,
                             accepted=0))
-    assert nothing == {"prompt_n": 0, "prompt_ms": 0.0, "prompt_per_token_ms": 0.0, "prompt_per_second": 0.0,
+    assert nothing == {"cache_n": 6, "prompt_n": 0, "prompt_ms": 0.0, "prompt_per_token_ms": 0.0, "prompt_per_second": 0.0,
                        "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": 0.0,
                        "predicted_per_second": 0.0, "draft_n": 0, "draft_n_accepted": 0}
     # tokens without time (a clock too coarse) and time without tokens give 0, not a division error
@@ -337,7 +337,8 @@ def test_every_field_of_a_chat_response_and_its_chunks(finish, speculative):
         **head, "object": "chat.completion",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"}, "logprobs": None,
                      "finish_reason": finish}],
-        "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}, **extra}
+        "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                  "prompt_tokens_details": {"cached_tokens": 5}}, **extra}
 
     def chunk(delta, reason=None):
         return {**head, "object": "chat.completion.chunk",
@@ -348,7 +349,8 @@ def test_every_field_of_a_chat_response_and_its_chunks(finish, speculative):
     assert out.chunk("") == chunk({"content": ""})
     assert out.final_chunk(result) == {**chunk({}, finish), **extra}
     assert out.usage_chunk(result) == {**head, "object": "chat.completion.chunk", "choices": [],
-                                       "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}}
+                                       "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+                  "prompt_tokens_details": {"cached_tokens": 5}}}
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -361,7 +363,8 @@ def test_every_field_of_a_text_response_and_its_chunks(finish, speculative):
     assert out.completion(result) == {
         **head, "object": "text_completion",
         "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": finish}],
-        "usage": {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}, **extra}
+        "usage": {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4,
+                  "prompt_tokens_details": {"cached_tokens": 5}}, **extra}
 
     def chunk(text, reason=None):
         return {**head, "object": "text_completion",
@@ -371,7 +374,8 @@ def test_every_field_of_a_text_response_and_its_chunks(finish, speculative):
     assert out.chunk(None) == chunk("")
     assert out.final_chunk(result) == {**chunk("", finish), **extra}
     assert out.usage_chunk(result) == {**head, "object": "text_completion", "choices": [],
-                                       "usage": {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4}}
+                                       "usage": {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4,
+                  "prompt_tokens_details": {"cached_tokens": 5}}}
 
 
 def test_server_sent_events_are_compact_utf8_json():

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 SERVER_INSTALL = "pip install 'pyllama-dspark[server]'"
+# uvicorn closes a keep-alive connection idle this long after its last response (uvicorn's default, set here so it
+# stays one); a connection that never completes its request head stays open until its client closes it (uvicorn has
+# no timeout for that), costing a socket and at most h11's 16 KiB of buffered head, never the engine
+KEEP_ALIVE_TIMEOUT_S = 5
 
 
 def _require_stack() -> None:
@@ -46,6 +50,8 @@ class ServeOptions:
     tensor_split: list[float] | None = None
     max_queue: int = 64
     parallel: int = 1
+    cache_prompt: bool = True
+    max_body_bytes: int | None = None  # None: derived from n_ctx and the vocabulary (app.default_body_limit)
     load_kwargs: dict[str, Any] | None = None  # further ``load`` arguments (n_draft, prompt_lookup, ...)
 
 
@@ -79,8 +85,10 @@ def build(options: ServeOptions, *, open_llm=None):
             inexact_verify_said()
             return load(options.model, options.drafter, **kwargs, consistent_numerics=False)
 
-    engine = Engine(open_llm or load_llm, max_queue=options.max_queue, parallel=options.parallel)
-    config = ServerConfig(options.model, alias=options.alias, api_key=options.api_key)
+    engine = Engine(open_llm or load_llm, max_queue=options.max_queue, parallel=options.parallel,
+                    cache_prompt=options.cache_prompt)
+    config = ServerConfig(options.model, alias=options.alias, api_key=options.api_key,
+                          max_body_bytes=options.max_body_bytes)
     return create_app(engine, config), engine
 
 
@@ -113,7 +121,8 @@ def _uvicorn_server(app, engine, log_level: str, on_started=None):
             engine.stop(timeout=0)
             super().handle_exit(sig, frame)
 
-    return Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10))
+    return Server(uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=10,
+                                 timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, h11_max_incomplete_event_size=16 * 1024))
 
 
 def serve(options: ServeOptions, *, log_level: str = "warning", on_listen=None) -> None:

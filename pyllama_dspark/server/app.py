@@ -3,6 +3,15 @@
 Every request runs on the event loop and only waits: tokenizing a prompt runs in a worker thread, generation on
 the engine thread. A request that loses its client (a closed stream, or a dropped connection while it waits for a
 whole response) cancels its job, which frees the engine within one round, or inside a long prefill.
+
+Limits a public endpoint needs:
+
+- the request body is read up to ``body_limit`` bytes, checked against the declared Content-Length before reading
+  and against what arrives (chunked bodies too) while reading; beyond it the request gets 413 before anything is
+  parsed. The default limit is what a prompt filling the context could take (every token as long as the
+  vocabulary's longest, every byte JSON-escaped to 6) plus 1 MiB for the rest of the body;
+- a body that stops arriving for ``BODY_IDLE_TIMEOUT_S`` gets 408;
+- a text prompt longer in bytes than ``n_ctx`` tokens of the longest length is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from starlette.requests import ClientDisconnect
+
 from ..chat import ChatTemplateError
 from ..errors import LlamaError
 from .engine import Engine, EngineUnavailableError, Job, QueueFullError
@@ -32,13 +43,18 @@ log = logging.getLogger("pyllama_dspark.server")
 RETRY_AFTER_S = "1"
 # events already waiting in a mailbox go out in one write, up to this many (so a fast engine still streams)
 MAX_EVENTS_PER_WRITE = 16
+BODY_IDLE_TIMEOUT_S = 30.0  # most seconds between two parts of a request body
+BODY_SLACK_BYTES = 1 << 20  # the default body limit's room for everything in a body but the prompt
+JSON_ESCAPE_FACTOR = 6  # a byte may take up to 6 in a JSON string (\u00XX)
 
 
 class ServerConfig:
     """What the app needs besides the engine: the names the model answers to, and the API key (None: open)."""
 
-    def __init__(self, model_path: str, *, alias: str | None = None, api_key: str | None = None):
+    def __init__(self, model_path: str, *, alias: str | None = None, api_key: str | None = None,
+                 max_body_bytes: int | None = None):
         path = Path(model_path)
+        self.max_body_bytes = max_body_bytes  # None: default_body_limit of the loaded model
         self.model_id = alias or path.name
         self.model_names = {name for name in (alias, path.name, path.stem) if name}
         self.api_key = api_key
@@ -83,10 +99,44 @@ def create_app(engine: Engine, config: ServerConfig) -> Starlette:
         text = prometheus_text(engine.counters, config.model_id, engine.n_waiting, engine.parallel)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    body_limit: list[int] = []  # the limit in force, computed once the model is loaded
+
+    async def read_body(request: Request, llm) -> bytes | None:
+        """The request body, refused (413) past the limit before it is read whole; None if the client left."""
+        if not body_limit:
+            limit = config.max_body_bytes
+            body_limit.append(limit if limit is not None else await asyncio.to_thread(default_body_limit, llm))
+        limit = body_limit[0]
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                raise bad_request(f"Content-Length must be a number of bytes, got {declared[:40]!r}")
+            if int(declared) > limit:
+                raise body_too_large(limit)
+        parts, size = [], 0
+        stream = request.stream().__aiter__()
+        while True:
+            try:
+                part = await asyncio.wait_for(stream.__anext__(), BODY_IDLE_TIMEOUT_S)
+            except StopAsyncIteration:
+                return b"".join(parts)
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body stopped arriving for {BODY_IDLE_TIMEOUT_S:g} s",
+                               code="request_timeout") from None
+            except ClientDisconnect:
+                return None
+            size += len(part)
+            if size > limit:
+                raise body_too_large(limit)
+            parts.append(part)
+
     async def completions(request: Request, *, chat: bool) -> Response:
         authorize(request)
         llm = ready()
-        req = parse_completion(parse_json(await request.body()), chat=chat)
+        raw = await read_body(request, llm)
+        if raw is None:
+            return Response(status_code=499)  # nobody reads it: the client is gone
+        req = parse_completion(parse_json(raw), chat=chat)
         if req.model is not None and req.model not in config.model_names:
             raise APIError(404, f"model {req.model!r} not found: this server serves {config.model_id!r}",
                            param="model", code="model_not_found")
@@ -164,6 +214,17 @@ def create_app(engine: Engine, config: ServerConfig) -> Starlette:
     )
 
 
+def default_body_limit(llm) -> int:
+    """The largest body a prompt that fits the context could need: ``n_ctx`` tokens of the vocabulary's longest
+    piece, every byte JSON-escaped, and ``BODY_SLACK_BYTES`` for the rest."""
+    return BODY_SLACK_BYTES + JSON_ESCAPE_FACTOR * llm.model.max_token_bytes * llm.ctx.n_ctx
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server reads ({limit} bytes; --max-body-bytes)",
+                    code="request_too_large")
+
+
 def _prompt_tokens(llm, req: CompletionRequest) -> list[int]:
     """The token ids ``LLM.chat`` / ``LLM.generate`` would decode for this request (in a worker thread)."""
     model = llm.model
@@ -174,7 +235,14 @@ def _prompt_tokens(llm, req: CompletionRequest) -> list[int]:
             raise bad_request(str(exc), "messages") from None
     else:
         text = req.prompt
+    n_ctx = llm.ctx.n_ctx
     if isinstance(text, str):
+        n_bytes = len(text.encode("utf-8", "surrogatepass"))
+        # every token covers at most max_token_bytes of the text: a longer text cannot fit, so it is not tokenized
+        if n_bytes > n_ctx * model.max_token_bytes:
+            raise bad_request(f"the prompt has {n_bytes} bytes, more than {n_ctx} tokens of this vocabulary can hold "
+                              f"(at most {model.max_token_bytes} bytes each); this server's context holds {n_ctx}",
+                              "messages" if req.chat else "prompt", code="context_length_exceeded")
         tokens = [int(t) for t in model.tokenize(text, add_special=True, parse_special=True)]
     else:
         bad = [t for t in text if not 0 <= t < model.n_vocab]
@@ -183,7 +251,6 @@ def _prompt_tokens(llm, req: CompletionRequest) -> list[int]:
         tokens = list(text)
     if not tokens:
         raise bad_request("the prompt has no tokens", "messages" if req.chat else "prompt")
-    n_ctx = llm.ctx.n_ctx
     if len(tokens) >= n_ctx:
         raise bad_request(f"the prompt has {len(tokens)} tokens; this server's context holds {n_ctx} (and needs room "
                           f"for at least one generated token)", "messages" if req.chat else "prompt",

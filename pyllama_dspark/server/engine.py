@@ -66,7 +66,8 @@ class Job:
 class Counters:
     """What ``/metrics`` reports; written by the engine thread only, read by anyone (plain ints and floats)."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # evaluated: the prompt cache's tokens are not
+    prompt_tokens_cached: int = 0
     prompt_seconds: float = 0.0
     generated_tokens: int = 0
     generation_seconds: float = 0.0
@@ -82,6 +83,7 @@ class Counters:
     def add(self, stats) -> None:
         """Add a finished (or cancelled) generation's ``SpecStats``."""
         self.prompt_tokens += stats.n_prompt - stats.n_reused
+        self.prompt_tokens_cached += stats.n_reused
         self.prompt_seconds += stats.t_prefill
         self.generated_tokens += stats.n_generated
         self.generation_seconds += stats.t_decode
@@ -102,14 +104,18 @@ class Engine:
         max_queue: most jobs waiting for a free slot; more are refused with QueueFullError.
         parallel: slots: 1 runs one job at a time through ``LLM.stream``; more run that many at once, every
             step one batched decode for all of them (``LLM.batch_scheduler``, continuous batching).
+        cache_prompt: each slot keeps the memory of its last generation and a new job reuses the longest prefix
+            it shares with it (``reuse_prefix`` with one slot; the scheduler's ``cache_prompts`` with several, a job
+            going to the free slot that shares the most).
     """
 
-    def __init__(self, open_llm: Callable[[], Any], *, max_queue: int = 64, parallel: int = 1):
+    def __init__(self, open_llm: Callable[[], Any], *, max_queue: int = 64, parallel: int = 1,
+                 cache_prompt: bool = True):
         if not 1 <= parallel <= MAX_EXACT_ROWS:
             raise ValueError(f"parallel must be in [1, {MAX_EXACT_ROWS}], got {parallel}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.max_queue, self.parallel = max_queue, parallel
+        self.max_queue, self.parallel, self.cache_prompt = max_queue, parallel, bool(cache_prompt)
         self.counters = Counters()
         self.state = "loading"
         self.load_error: BaseException | None = None
@@ -210,7 +216,8 @@ class Engine:
             self.counters.requests_cancelled += 1
             return
         try:
-            for event in self.llm.stream(job.prompt, cancel=job.cancel, **job.sampling):
+            for event in self.llm.stream(job.prompt, cancel=job.cancel, reuse_prefix=self.cache_prompt,
+                                         **job.sampling):
                 job.post(event)
                 if event.result is not None:
                     self._count_finished(event.result)
@@ -221,6 +228,7 @@ class Engine:
         """Up to ``parallel`` jobs at once in the LLM's batch scheduler: admitted between steps, each step one
         batched decode for all of them, every job's new events posted after it."""
         scheduler = self.llm.batch_scheduler(self.parallel)
+        scheduler.cache_prompts = self.cache_prompt
         jobs: dict[Any, Job] = {}
         while True:
             with self._wake:

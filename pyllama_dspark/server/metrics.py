@@ -30,6 +30,9 @@ def prometheus_text(counters, model_name: str, n_waiting: int, n_slots: int) -> 
     ours = [
         ("pyllama_dspark:slots_total", "gauge", "Requests the server decodes at once (--parallel).", n_slots),
         ("pyllama_dspark:slots_busy", "gauge", "Slots holding a request now.", c.requests_processing),
+        ("pyllama_dspark:prompt_tokens_cached_total", "counter",
+         "Prompt tokens taken from the prompt cache (a slot's memory of its last request), not evaluated.",
+         c.prompt_tokens_cached),
         ("pyllama_dspark:requests_finished_total", "counter", "Requests whose generation ended normally.",
          c.requests_finished),
         ("pyllama_dspark:requests_cancelled_total", "counter",

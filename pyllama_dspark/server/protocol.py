@@ -262,11 +262,12 @@ class ResponseShape:
 
 
 def timings(stats) -> dict:
-    """llama-server's ``timings`` object, from our ``SpecStats``."""
+    """llama-server's ``timings`` object, from our ``SpecStats`` (``cache_n``: prompt tokens taken from the prompt
+    cache; ``prompt_n``: the prompt tokens evaluated)."""
     n_prompt = stats.n_prompt - stats.n_reused
     prompt_ms, predicted_ms = 1000 * stats.t_prefill, 1000 * stats.t_decode
     return {
-        "prompt_n": n_prompt, "prompt_ms": prompt_ms,
+        "cache_n": stats.n_reused, "prompt_n": n_prompt, "prompt_ms": prompt_ms,
         "prompt_per_token_ms": prompt_ms / n_prompt if n_prompt else 0.0,
         "prompt_per_second": 1000 * n_prompt / prompt_ms if prompt_ms else 0.0,
         "predicted_n": stats.n_generated, "predicted_ms": predicted_ms,

@@ -1,0 +1,278 @@
+"""The server's prompt cache and its request limits (issue 35), through the official ``openai`` client and raw
+sockets on loopback.
+
+- A 6-turn chat: from turn 2 on only the new tokens are evaluated (``/metrics``), ``cached_tokens`` and
+  ``timings.cache_n`` say how many were reused, and every reply equals the cold one (plain greedy decoding of the
+  whole conversation); then a request sharing a few tokens and one sharing all but the last, on llama, qwen3 and
+  qwen35, with one slot and with four.
+- ``--no-cache-prompt`` evaluates every prompt whole.
+- A 64 MiB body gets 413 in under a second, before it is read (declared or chunked); a body that lies about its
+  Content-Length is refused; one that stops arriving gets 408; the server stays healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("starlette", reason="the server needs the [server] extra: pip install '.[server]'")
+pytest.importorskip("uvicorn", reason="the server needs the [server] extra: pip install '.[server]'")
+openai = pytest.importorskip("openai", reason="the server tests need the openai client: pip install '.[test]'")
+httpx = pytest.importorskip("httpx", reason="the server tests need httpx: pip install '.[test]'")
+
+from conftest import ARCHS  # noqa: E402
+from pyllama_dspark import Context, Model, generate  # noqa: E402
+from pyllama_dspark.server import BackgroundServer, app as server_app  # noqa: E402
+from pyllama_dspark.testing import TinySpec  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+N = 16
+USER_TURNS = ["Name three fruits.", "And three colours?", "Which one is red?", "Say it again.", "Why?",
+              "Thank you, goodbye."]
+
+
+def spec(arch: str) -> TinySpec:
+    return TinySpec(arch=arch, n_layer=3, vocab="llama-spm", chat_template="chatml")
+
+
+def client(server) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+class Cold:
+    """Plain greedy replies of whole conversations on a fresh context each (what a server without a cache gives)."""
+
+    def __init__(self, target):
+        self.model = Model(target)
+
+    def prompt(self, messages) -> list[int]:
+        text = self.model.apply_chat_template(messages)
+        return [int(t) for t in self.model.tokenize(text, add_special=True, parse_special=True)]
+
+    def reply(self, messages, max_tokens: int = N):
+        ctx = Context(self.model, n_ctx=512, n_rs_seq=4 if self.model.is_hybrid else 0)
+        try:
+            return generate(ctx, self.model.apply_chat_template(messages), max_tokens=max_tokens)
+        finally:
+            ctx.close()
+
+    def close(self):
+        self.model.close()
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def ask(api, messages, max_tokens: int = N):
+    reply = api.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0)
+    return reply, reply.choices[0].message.content
+
+
+@pytest.mark.parametrize("parallel", [1, 4])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_six_turn_chat_evaluates_only_the_new_tokens_and_equals_the_cold_replies(make_pair, arch, parallel):
+    pair = make_pair(spec(arch))
+    cold = Cold(pair.target)
+    try:
+        with BackgroundServer(pair.target, drafter=pair.drafter, n_ctx=512, parallel=parallel, alias="m",
+                              load_kwargs={"n_draft": 3}) as srv:
+            api = client(srv)
+            messages, previous = [], None
+            for turn, text in enumerate(USER_TURNS):
+                messages.append({"role": "user", "content": text})
+                before = metrics(srv)
+                reply, content = ask(api, messages)
+                after = metrics(srv)
+                ref = cold.reply(messages)
+                assert content == ref.text, f"{arch} turn {turn + 1}: the reply differs from the cold one"
+                prompt = cold.prompt(messages)
+                cached = reply.usage.prompt_tokens_details.cached_tokens
+                evaluated = after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"]
+                assert reply.usage.prompt_tokens == len(prompt)
+                assert evaluated == len(prompt) - cached
+                assert reply.model_extra["timings"]["cache_n"] == cached
+                assert reply.model_extra["timings"]["prompt_n"] == evaluated
+                assert (after["pyllama_dspark:prompt_tokens_cached_total"]
+                        - before["pyllama_dspark:prompt_tokens_cached_total"]) == cached
+                if previous is None:
+                    assert cached == 0
+                else:
+                    # the memory held the last prompt and its reply (all of it, or all but the token never decoded)
+                    held_prompt, held_reply = previous
+                    candidates = {min(common_prefix(held_prompt + held_reply[:n], prompt), len(prompt) - 1)
+                                  for n in (len(held_reply) - 1, len(held_reply))}
+                    if arch == "qwen35":  # a recurrent state is kept whole or not at all
+                        candidates = {c if c in (len(held_prompt) + len(held_reply) - 1,
+                                                 len(held_prompt) + len(held_reply)) else 0 for c in candidates}
+                    assert cached in candidates
+                    assert cached >= len(held_prompt) - 1 or arch == "qwen35"
+                previous = (prompt, list(ref.tokens))
+                messages.append({"role": "assistant", "content": content})
+
+            # a request sharing only the first few tokens, then one sharing all but its last token
+            few = [{"role": "user", "content": "Something else entirely, and quite a bit longer than before."}]
+            reply, content = ask(api, few)
+            assert content == cold.reply(few).text
+            assert reply.usage.prompt_tokens_details.cached_tokens < 16  # the chat template's opening, at most
+            body = {"model": "m", "prompt": cold.prompt(few)[:-1] + [7], "max_tokens": N, "temperature": 0}
+            out = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=120).json()
+            # the memory held "few" and its reply: all of the new prompt but its last token is kept (not by a
+            # recurrent state, which cannot be rewound)
+            cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == (0 if arch == "qwen35" else len(body["prompt"]) - 1)
+            ctx = Context(cold.model, n_ctx=512, n_rs_seq=4 if cold.model.is_hybrid else 0)
+            try:
+                assert out["choices"][0]["text"] == generate(ctx, body["prompt"], max_tokens=N).text
+            finally:
+                ctx.close()
+    finally:
+        cold.close()
+
+
+def test_without_the_cache_every_prompt_is_evaluated_whole(make_pair):
+    pair = make_pair(spec("llama"))
+    with BackgroundServer(pair.target, n_ctx=512, alias="m", cache_prompt=False) as srv:
+        api = client(srv)
+        messages = [{"role": "user", "content": USER_TURNS[0]}]
+        _, content = ask(api, messages)
+        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": USER_TURNS[1]}]
+        before = metrics(srv)
+        reply, _ = ask(api, messages)
+        after = metrics(srv)
+        assert reply.usage.prompt_tokens_details.cached_tokens == 0
+        assert after["llamacpp:prompt_tokens_total"] - before["llamacpp:prompt_tokens_total"] == \
+            reply.usage.prompt_tokens
+
+
+# --- limits ------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_server(make_pair):
+    pair = make_pair(spec("llama"))
+    with BackgroundServer(pair.target, n_ctx=256, alias="m") as srv:
+        yield srv
+
+
+def raw_request(server, head: bytes, parts, *, read_timeout: float = 10.0) -> tuple[int, dict, float]:
+    """Send a request head, then body parts until the server answers (or stops reading); the status, the body
+    (parsed when JSON) and the seconds until the answer came."""
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=read_timeout)
+    t0 = time.perf_counter()
+    try:
+        sock.sendall(head)
+        sock.setblocking(False)
+        answer = b""
+        for part in parts:
+            try:
+                answer += sock.recv(65536)
+            except BlockingIOError:
+                pass
+            if answer:
+                break
+            try:
+                sock.sendall(part)
+            except (BlockingIOError, BrokenPipeError, ConnectionResetError):
+                break
+        sock.setblocking(True)
+        sock.settimeout(read_timeout)
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            more = sock.recv(65536)
+            if not more:
+                break
+            answer += more
+        elapsed = time.perf_counter() - t0
+    finally:
+        sock.close()
+    status = int(answer.split(b" ", 2)[1])
+    payload = answer.split(b"\r\n\r\n", 1)[1]
+    return status, json.loads(payload) if payload.startswith(b"{") else payload.decode(), elapsed
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def head(length: str | None, *, chunked: bool = False) -> bytes:
+    lines = ["POST /v1/completions HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    if length is not None:
+        lines.append(f"Content-Length: {length}")
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def assert_healthy(server) -> None:
+    assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 3}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_64_mib_body_is_refused_before_it_is_read(small_server):
+    assert_healthy(small_server)  # the limit is computed with the model loaded
+    size = 64 << 20
+    part = b'{"prompt": "' + b"x" * (1 << 20)
+    rss0 = rss_bytes()
+    status, body, elapsed = raw_request(small_server, head(str(size)), [part] * 64)
+    assert status == 413 and elapsed < 1.0
+    assert body["error"]["code"] == "request_too_large" and body["error"]["type"] == "invalid_request_error"
+    # chunked: no length declared, refused once what arrived passes the limit
+    chunk = b"%x\r\n%s\r\n" % (len(part), part)
+    status, body, elapsed = raw_request(small_server, head(None, chunked=True), [chunk] * 64)
+    assert status == 413 and elapsed < 1.0 and body["error"]["code"] == "request_too_large"
+    assert rss_bytes() - rss0 < 16 << 20  # nothing near 64 MiB was held
+    assert_healthy(small_server)
+
+
+def test_a_body_that_lies_about_its_length_is_refused(small_server, monkeypatch):
+    payload = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+    # shorter than declared, then silence: 408 once the body stops arriving
+    monkeypatch.setattr(server_app, "BODY_IDLE_TIMEOUT_S", 0.5)
+    status, body, _ = raw_request(small_server, head(str(len(payload) + 100)), [payload])
+    assert status == 408 and body["error"]["code"] == "request_timeout"
+    # longer than declared: the request ends where its length says, and that is not JSON
+    status, body, _ = raw_request(small_server, head(str(len(payload) // 2)), [payload])
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body, _ = raw_request(small_server, head("12abc"), [payload])
+    assert status == 400  # uvicorn's parser refuses it before the app sees it
+    assert_healthy(small_server)
+
+
+def test_an_explicit_body_limit_and_a_prompt_known_too_long_without_tokenizing(make_pair, monkeypatch):
+    pair = make_pair(spec("llama"))
+    with BackgroundServer(pair.target, n_ctx=256, alias="m", max_body_bytes=2000) as srv:
+        reply = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a" * 3000}, timeout=30)
+        assert reply.status_code == 413 and "2000 bytes" in reply.json()["error"]["message"]
+        reply = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a" * 1000, "max_tokens": 2}, timeout=30)
+        assert reply.status_code == 200
+    with BackgroundServer(pair.target, n_ctx=64, alias="m") as srv:
+        llm = srv.engine.llm
+        longest = llm.model.max_token_bytes
+        assert longest == max(len(llm.model.token_to_piece(t, special=True)) for t in range(llm.model.n_vocab))
+        n_ctx = llm.ctx.n_ctx  # llama.cpp rounds a context up (to 256 cells here)
+        assert server_app.default_body_limit(llm) == (1 << 20) + 6 * longest * n_ctx
+        calls = []
+        tokenize = llm.model.tokenize
+        monkeypatch.setattr(llm.model, "tokenize", lambda *a, **k: calls.append(1) or tokenize(*a, **k))
+        text = "b" * (n_ctx * longest + 1)
+        reply = httpx.post(f"{srv.url}/v1/completions", json={"prompt": text}, timeout=30)
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["code"] == "context_length_exceeded" and not calls
+        assert f"{len(text)} bytes" in error["message"]
