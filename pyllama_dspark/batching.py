@@ -26,6 +26,10 @@ goes to the free slot whose ids share the longest prefix with its prompt, when t
 is trimmed to the shared prefix (``seq_rm`` on the target, the drafter drops what it held from there on when the
 prefill feeds it) and only the rest is prefilled. The last prompt token is always decoded again (its logits are
 needed). A recurrent state cannot be rewound, so a hybrid or recurrent target keeps all of a slot's ids or none.
+With ``cache_ram_bytes``, a slot's memory that a request is about to cut or replace is first copied to host memory
+(``Context.seq_state``, the drafter's ``saved``), within that many bytes, least recently used copies dropped first;
+a request whose longest prefix is in such a copy has it copied back into the spare slot. So more conversations than
+slots keep their memory: with 8 clients on 4 slots, each turn would otherwise find its slot taken by another.
 
 The draft length is chosen per sequence: a fixed ``n_draft``, or the cost-aware ``DraftLengthChooser`` of that
 sequence. Its verify cost is what its rows add to the batched decode: ``VerifyCostModel`` fits each decode's time as
@@ -49,13 +53,25 @@ from .batch import Batch
 from .context import CancelToken, Context
 from .draft_length import DraftLengthChooser
 from .drafter import Draft
-from .errors import DecodeAbortedError
+from .errors import DecodeAbortedError, MemoryOpError
 from .generate import GenerationResult, TextStream, TokenEvent
 from .sampling import Sampler
 from .stats import SpecStats
 
 MAX_EXACT_ROWS = 64  # rows a decode may have for consistent numerics to hold (patches 0005, 0012)
 _NOTHING = np.zeros(0, dtype=np.int64)
+MIN_SAVED_TOKENS = 16  # a slot's memory is copied to host memory before it is cut only when this much is cut
+
+
+class _Saved:
+    """A slot's memory copied to host memory: the ids it holds, the target's and the drafter's copies."""
+
+    def __init__(self, tokens: np.ndarray, target: bytearray, drafter: tuple | None):
+        self.tokens, self.target, self.drafter = tokens, target, drafter
+        self.nbytes = len(target) + tokens.nbytes
+        if drafter is not None:
+            state, (chunks, _) = drafter
+            self.nbytes += len(state) + sum(chunk.nbytes for chunk in chunks)
 
 
 @dataclass
@@ -168,6 +184,9 @@ class BatchScheduler:
             a request found there.
         min_prefix_share: the share of a prompt a slot's kept ids must cover for the request to take that slot
             rather than an empty or the least recently used one (llama-server's slot similarity).
+        cache_ram_bytes: with the prompt cache, a slot's memory about to be cut or replaced is first copied to host
+            memory, up to this many bytes in all (the least recently used copies go first); a request whose prefix
+            is longest in such a copy has it brought back into its slot. 0: slots only.
         on_rows: called as ``on_rows(sequence, capture_rows, logit_rows)`` with what each decode gave a sequence:
             the capture rows (dense, when the context captures) of the positions it decoded and keeps (a prompt
             chunk's, or the anchor and accepted drafts of a round), and the logit rows its committed tokens were
@@ -179,7 +198,7 @@ class BatchScheduler:
     """
 
     def __init__(self, ctx: Context, drafter=None, *, n_draft: int | None = None, max_rows: int = MAX_EXACT_ROWS,
-                 on_rows=None, cache_prompts: bool = False, min_prefix_share: float = 0.1):
+                 on_rows=None, cache_prompts: bool = False, min_prefix_share: float = 0.1, cache_ram_bytes: int = 0):
         checks.instance("ctx", ctx, Context)
         min_prefix_share = checks.number("min_prefix_share", min_prefix_share)
         if not 0.0 <= min_prefix_share <= 1.0:
@@ -218,6 +237,12 @@ class BatchScheduler:
         self._held: list[np.ndarray] = [_NOTHING] * self.n_slots  # the ids each idle slot's memory holds
         self._last_used = [0] * self.n_slots  # admission count at which each slot was last taken
         self._admissions = 0
+        self._recurrent = ctx.model.is_recurrent or ctx.model.is_hybrid
+        self.cache_ram_bytes = checks.integer("cache_ram_bytes", cache_ram_bytes, minimum=0)
+        self._saved: collections.OrderedDict[int, _Saved] = collections.OrderedDict()  # least recently used first
+        self._saved_key = 0
+        self.saved_bytes = 0  # what the saved memories take
+        self.cache_hits_saved = 0  # requests that found their prefix in host memory
         ctx.clear()
         if drafter is not None:
             drafter.reset()
@@ -287,6 +312,8 @@ class BatchScheduler:
             for slot, seq in enumerate(self._slots):
                 if seq is None:
                     self._forget_slot(slot)
+            self._saved.clear()
+            self.saved_bytes = 0
 
     @property
     def held(self) -> list[list[int]]:
@@ -296,46 +323,104 @@ class BatchScheduler:
     def _admit(self, events) -> None:
         while self._waiting and None in self._slots:
             seq = self._waiting.popleft()
-            slot, keep = self._choose_slot(seq.request.tokens)
+            tokens = seq.request.tokens
+            slot, keep, saved = self._choose_slot(tokens)
             self._admissions += 1
             self._last_used[slot] = self._admissions
             seq.seq_id = slot
             self._slots[slot] = seq
+            if saved is not None:  # out of the host memory's accounting while the slot's own memory is saved
+                self._drop_saved(next(k for k, m in self._saved.items() if m is saved))
+            self._save_slot(slot, keep if saved is None else 0)
+            if saved is not None:
+                self._restore_slot(slot, saved, keep)
             if keep:
                 self.ctx.seq_rm(slot, keep, -1)  # the drafter drops its stale part when the prefill feeds it
             elif len(self._held[slot]):
                 self._forget_slot(slot)
             self._held[slot] = _NOTHING
             seq.prefilled = seq.stats.n_reused = keep
-            seq.in_memory = [int(t) for t in seq.request.tokens[:keep]]
+            seq.in_memory = [int(t) for t in tokens[:keep]]
             if seq.request.max_tokens == 0:
                 self._finish(seq, "max_tokens", events)
 
-    def _choose_slot(self, tokens: np.ndarray) -> tuple[int, int]:
-        """The free slot for a prompt and how many of its leading tokens that slot's memory keeps."""
+    def _choose_slot(self, tokens: np.ndarray) -> tuple[int, int, _Saved | None]:
+        """The free slot for a prompt, how many of its leading tokens will be kept, and the saved memory to bring
+        into the slot first (None: the slot's own)."""
         free = [i for i, seq in enumerate(self._slots) if seq is None]
         if not self._cache_prompts:
-            return free[0], 0
-        kept = {i: self._reusable(i, tokens) for i in free}
+            return free[0], 0, None
+        kept = {i: self._slot_reusable(i, tokens) for i in free}
         best = max(free, key=lambda i: (kept[i], self._last_used[i]))
-        if kept[best] and kept[best] >= self.min_prefix_share * len(tokens):
-            return best, kept[best]
         # a short match: spare the other slots' memories, take an empty slot or the least recently used one
-        return min(free, key=lambda i: (len(self._held[i]) > 0, self._last_used[i])), 0
+        spare = min(free, key=lambda i: (len(self._held[i]) > 0, self._last_used[i]))
+        slot = best if kept[best] and kept[best] >= self.min_prefix_share * len(tokens) else spare
+        saved = max(self._saved.values(), key=lambda m: self._reusable(m.tokens, tokens), default=None)
+        if saved is not None:
+            from_saved = self._reusable(saved.tokens, tokens)
+            if from_saved > kept[slot]:  # brought into the spare slot: no slot's own memory is cut for it
+                return spare, from_saved, saved
+        return slot, kept[slot], None
 
-    def _reusable(self, slot: int, tokens: np.ndarray) -> int:
-        """Leading prompt tokens a slot's memory keeps: the common prefix of its ids and the prompt, short of the
-        prompt's last token (its logits are needed); for a recurrent state all of the ids or nothing. Nothing when
-        the memory no longer ends where the ids do (something else touched the context)."""
+    def _slot_reusable(self, slot: int, tokens: np.ndarray) -> int:
+        """``_reusable`` for a slot's memory; nothing when the memory no longer ends where its ids do (something
+        else touched the context)."""
         held = self._held[slot]
+        if len(held) == 0 or self.ctx.seq_pos_max(slot) != len(held) - 1:
+            return 0
+        return self._reusable(held, tokens)
+
+    def _reusable(self, held: np.ndarray, tokens: np.ndarray) -> int:
+        """Leading prompt tokens a memory holding ``held`` keeps: the common prefix, short of the prompt's last token
+        (its logits are needed); for a recurrent state all of ``held`` or nothing."""
         n = min(len(held), len(tokens) - 1)
-        if n <= 0 or self.ctx.seq_pos_max(slot) != len(held) - 1:
+        if n <= 0:
             return 0
         differs = np.flatnonzero(held[:n] != np.asarray(tokens[:n]))
         keep = int(differs[0]) if differs.size else n
-        if (self.ctx.model.is_recurrent or self.ctx.model.is_hybrid) and keep != len(held):
+        if self._recurrent and keep != len(held):
             return 0
         return keep
+
+    def _save_slot(self, slot: int, keep: int) -> None:
+        """Before a slot's memory is cut to ``keep`` tokens: copy it to host memory, when the prompt cache has room
+        for it and what is cut is worth keeping (``MIN_SAVED_TOKENS``)."""
+        held = self._held[slot]
+        if self.cache_ram_bytes <= 0 or len(held) - keep < MIN_SAVED_TOKENS:
+            return
+        if self.ctx.seq_pos_max(slot) != len(held) - 1:
+            return
+        self._keep_saved(_Saved(held, self.ctx.seq_state(slot),
+                                None if self.drafter is None else self.drafter.saved(slot)))
+
+    def _keep_saved(self, saved: _Saved) -> None:
+        """Add a copy to host memory as the most recently used, dropping the least recently used ones past the
+        budget (and copies of a prefix of its ids, which it serves as well)."""
+        if saved.nbytes > self.cache_ram_bytes:
+            return
+        held = saved.tokens
+        if not self._recurrent:  # a saved prefix of these ids serves nothing this one does not
+            for key in [k for k, m in self._saved.items() if len(m.tokens) <= len(held)
+                        and np.array_equal(m.tokens, held[:len(m.tokens)])]:
+                self._drop_saved(key)
+        self._saved_key += 1
+        self._saved[self._saved_key] = saved
+        self.saved_bytes += saved.nbytes
+        while self.saved_bytes > self.cache_ram_bytes:
+            self._drop_saved(next(iter(self._saved)))  # the least recently used
+
+    def _restore_slot(self, slot: int, saved: _Saved, keep: int) -> None:
+        """Bring a saved memory into a slot; it stays in host memory too when the slot keeps only part of it."""
+        self.ctx.set_seq_state(slot, saved.target)
+        if self.drafter is not None:
+            self.drafter.restore(slot, saved.drafter)
+        self._held[slot] = saved.tokens
+        if keep < len(saved.tokens):
+            self._keep_saved(saved)
+        self.cache_hits_saved += 1
+
+    def _drop_saved(self, key: int) -> None:
+        self.saved_bytes -= self._saved.pop(key).nbytes
 
     def _forget_slot(self, slot: int) -> None:
         self.ctx.seq_rm(slot)
@@ -489,16 +574,32 @@ class BatchScheduler:
         seq.result = GenerationResult(seq.text.text, list(seq.tokens), reason, seq.stats)
         events[seq].append(TokenEvent(token=-1, text=tail, stop_reason=reason, result=seq.result))
         if self._cache_prompts and seq.in_memory is not None:
+            self._trim_unshown(seq)
+        if self._cache_prompts and seq.in_memory is not None:
             self._held[seq.seq_id] = np.asarray(seq.in_memory, dtype=np.int64)
         else:
             self._forget_slot(seq.seq_id)
         self._slots[seq.seq_id] = None
+
+    def _trim_unshown(self, seq: BatchSequence) -> None:
+        """Drop accepted drafts the memory holds past the last token handed out (a generation cut inside a round), so
+        the kept ids are the prompt and the output: a recurrent state is reusable only whole."""
+        shown = len(seq.request.tokens) + len(seq.tokens)
+        if len(seq.in_memory) > shown:
+            try:
+                self.ctx.seq_rm(seq.seq_id, shown, -1)
+            except MemoryOpError:
+                seq.in_memory = None
+                return
+            del seq.in_memory[shown:]
 
     def reset(self) -> None:
         """Drop every sequence, running or waiting, and clear the memory (after a failed step)."""
         self._waiting.clear()
         self._slots = [None] * self.n_slots
         self._held = [_NOTHING] * self.n_slots
+        self._saved.clear()
+        self.saved_bytes = 0
         self.ctx.clear()
         if self.drafter is not None:
             self.drafter.reset()

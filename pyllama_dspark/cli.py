@@ -249,6 +249,9 @@ def _add_serve_parser(sub, parents: list) -> None:
                        help="each slot keeps the memory of its last request, and a request reuses the longest prefix "
                             "it shares with a free slot's (a chat's next turn evaluates only the new messages; "
                             "usage.prompt_tokens_details.cached_tokens says how many were reused); default on")
+    serve.add_argument("--cache-ram", dest="cache_ram_mib", type=int, default=1024, metavar="MIB",
+                       help="with --parallel > 1: host memory (MiB) for copies of slot memories that other requests "
+                            "take over, so more conversations than slots keep theirs; 0: slots only (default 1024)")
     serve.add_argument("--max-body-bytes", type=int, default=None,
                        help="largest request body read; a larger one gets 413 before it is parsed (default: what "
                             "a prompt filling the context could take, from -c and the vocabulary's longest token)")
@@ -747,6 +750,8 @@ def _cmd_serve(args) -> int:
     _check_parallel(args.parallel)
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.cache_ram_mib < 0:
+        raise ValueError(f"--cache-ram must be >= 0, got {args.cache_ram_mib}")
     if args.max_body_bytes is not None and args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     api_key = args.api_key
@@ -759,7 +764,8 @@ def _cmd_serve(args) -> int:
                            api_key=api_key, n_ctx=args.n_ctx, n_threads=args.n_threads, n_batch=args.n_batch,
                            n_gpu_layers=args.n_gpu_layers, rpc_servers=args.rpc_servers,
                            tensor_split=args.tensor_split, max_queue=args.max_queue, parallel=args.parallel,
-                           cache_prompt=args.cache_prompt, max_body_bytes=args.max_body_bytes,
+                           cache_prompt=args.cache_prompt, cache_ram_mib=args.cache_ram_mib,
+                           max_body_bytes=args.max_body_bytes,
                            load_kwargs=dict(n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min,
                                             prompt_lookup=args.prompt_lookup,
                                             **({} if args.consistent_numerics else {"consistent_numerics": False})))

@@ -541,6 +541,31 @@ class Context(Owned):
         lib.llama_memory_seq_cp(self._memory(), src, dst, p0, p1)
 
     @_serialised
+    def seq_state(self, seq_id: int) -> bytearray:
+        """A copy of one sequence's memory (its KV cells and, for a hybrid or recurrent target, its state), for
+        ``set_seq_state`` on this context."""
+        self._check_seq(seq_id)
+        size = lib.llama_state_seq_get_size(self.ptr, seq_id)
+        data = bytearray(size)
+        if lib.llama_state_seq_get_data(self.ptr, ffi.from_buffer("uint8_t[]", data), size, seq_id) != size:
+            raise MemoryOpError(f"could not copy the memory of sequence {seq_id}", op="llama_state_seq_get_data",
+                                log_tail=_log.tail())
+        return data
+
+    @_serialised
+    def set_seq_state(self, seq_id: int, data: bytes | bytearray) -> None:
+        """Replace a sequence's memory by what ``seq_state`` copied (of any sequence of this context).
+
+        Raises:
+            MemoryOpError: the data does not fit this context (the sequence is left empty).
+        """
+        self._check_seq(seq_id)
+        self._memory_epoch += 1
+        if not lib.llama_state_seq_set_data(self.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id):
+            raise MemoryOpError(f"could not restore the memory of sequence {seq_id}", op="llama_state_seq_set_data",
+                                log_tail=_log.tail())
+
+    @_serialised
     def seq_pos_max(self, seq_id: int = 0) -> int:
         """Largest position held for the sequence, -1 when empty."""
         self._check_seq(seq_id)

@@ -284,6 +284,24 @@ class DSparkDrafter:
             self.ctx.seq_rm(self._seq(seq_id))
             self._pending.pop(seq_id, None)
 
+    def saved(self, seq_id: int) -> tuple:
+        """A copy of what the drafter holds for sequence ``seq_id`` (its KV of injected rows and the rows still
+        pending), for ``restore`` into any of its sequences."""
+        self._check_open()
+        self._seq(seq_id)
+        chunks, pos0 = self._pending.get(seq_id, ([], 0))
+        return self.ctx.seq_state(seq_id), (list(chunks), pos0)
+
+    def restore(self, seq_id: int, saved: tuple) -> None:
+        """Replace what the drafter holds for ``seq_id`` by what ``saved`` copied."""
+        self._check_open()
+        self._seq(seq_id)
+        state, (chunks, pos0) = saved
+        self.ctx.set_seq_state(seq_id, state)
+        self._pending.pop(seq_id, None)
+        if chunks:
+            self._pending[seq_id] = (list(chunks), pos0)
+
     def _check_open(self) -> None:
         if self.target.closed:
             raise ClosedHandleError("the drafter's target Context is closed (the drafter reads the target's "

@@ -5,6 +5,8 @@ sockets on loopback.
   ``timings.cache_n`` say how many were reused, and every reply equals the cold one (plain greedy decoding of the
   whole conversation); then a request sharing a few tokens and one sharing all but the last, on llama, qwen3 and
   qwen35, with one slot and with four.
+- Eight clients holding 3-turn conversations on four slots: every reply equals its cold reference, and most turns
+  find their conversation's memory, in its slot or brought back from host memory (the hit rate is printed).
 - ``--no-cache-prompt`` evaluates every prompt whole.
 - A 64 MiB body gets 413 in under a second, before it is read (declared or chunked); a body that lies about its
   Content-Length is refused; one that stops arriving gets 408; the server stays healthy.
@@ -142,6 +144,44 @@ def test_a_six_turn_chat_evaluates_only_the_new_tokens_and_equals_the_cold_repli
                 assert out["choices"][0]["text"] == generate(ctx, body["prompt"], max_tokens=N).text
             finally:
                 ctx.close()
+    finally:
+        cold.close()
+
+
+def test_eight_conversations_on_four_slots_keep_their_prefixes(make_pair):
+    pair = make_pair(spec("llama"))
+    cold = Cold(pair.target)
+    n_clients, n_turns = 8, 3
+    outcomes: dict[int, list] = {}
+    try:
+        with BackgroundServer(pair.target, drafter=pair.drafter, n_ctx=512, parallel=4, alias="m",
+                              load_kwargs={"n_draft": 3}) as srv:
+            def converse(i: int) -> None:
+                api = client(srv)
+                messages, seen = [], []
+                for turn in range(n_turns):
+                    messages.append({"role": "user", "content": f"Client {i}, question {turn}: {USER_TURNS[turn]}"})
+                    reply, content = ask(api, messages)
+                    seen.append((list(messages), content, reply.usage.prompt_tokens_details.cached_tokens))
+                    messages.append({"role": "assistant", "content": content})
+                outcomes[i] = seen
+
+            threads = [threading.Thread(target=converse, args=(i,)) for i in range(n_clients)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(300)
+            assert len(outcomes) == n_clients
+            scheduler = srv.engine.llm.batch_scheduler(4)
+            assert max(len(h) for h in scheduler.held) <= 512  # each slot's memory within its own context
+            assert 0 < scheduler.saved_bytes <= 1024 << 20 and scheduler.cache_hits_saved > 0
+        later_turns = [(messages, cached) for seen in outcomes.values() for messages, _, cached in seen[1:]]
+        hits = sum(cached >= len(cold.prompt(messages[:-2])) - 1 for messages, cached in later_turns)
+        print(f"prompt cache hit rate, 8 clients on 4 slots: {hits}/{len(later_turns)}")
+        assert hits > len(later_turns) // 2
+        for seen in outcomes.values():
+            for messages, content, _ in seen:
+                assert content == cold.reply(messages).text
     finally:
         cold.close()
 

@@ -20,3 +20,16 @@ void llama_synchronize(struct llama_context * ctx);
 float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
+size_t llama_state_seq_get_size(
+        struct llama_context * ctx,
+                llama_seq_id   seq_id);
+size_t llama_state_seq_get_data(
+        struct llama_context * ctx,
+                     uint8_t * dst,
+                      size_t   size,
+                llama_seq_id   seq_id);
+size_t llama_state_seq_set_data(
+        struct llama_context * ctx,
+               const uint8_t * src,
+                      size_t   size,
+                llama_seq_id   dest_seq_id);

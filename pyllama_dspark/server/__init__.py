@@ -51,6 +51,7 @@ class ServeOptions:
     max_queue: int = 64
     parallel: int = 1
     cache_prompt: bool = True
+    cache_ram_mib: int = 1024  # host memory for slot memories that requests cut or replace (--parallel > 1)
     max_body_bytes: int | None = None  # None: derived from n_ctx and the vocabulary (app.default_body_limit)
     load_kwargs: dict[str, Any] | None = None  # further ``load`` arguments (n_draft, prompt_lookup, ...)
 
@@ -86,7 +87,7 @@ def build(options: ServeOptions, *, open_llm=None):
             return load(options.model, options.drafter, **kwargs, consistent_numerics=False)
 
     engine = Engine(open_llm or load_llm, max_queue=options.max_queue, parallel=options.parallel,
-                    cache_prompt=options.cache_prompt)
+                    cache_prompt=options.cache_prompt, cache_ram_bytes=options.cache_ram_mib << 20)
     config = ServerConfig(options.model, alias=options.alias, api_key=options.api_key,
                           max_body_bytes=options.max_body_bytes)
     return create_app(engine, config), engine

@@ -107,15 +107,18 @@ class Engine:
         cache_prompt: each slot keeps the memory of its last generation and a new job reuses the longest prefix
             it shares with it (``reuse_prefix`` with one slot; the scheduler's ``cache_prompts`` with several, a job
             going to the free slot that shares the most).
+        cache_ram_bytes: with several slots, host memory for copies of slot memories that requests cut or replace
+            (the scheduler's ``cache_ram_bytes``).
     """
 
     def __init__(self, open_llm: Callable[[], Any], *, max_queue: int = 64, parallel: int = 1,
-                 cache_prompt: bool = True):
+                 cache_prompt: bool = True, cache_ram_bytes: int = 0):
         if not 1 <= parallel <= MAX_EXACT_ROWS:
             raise ValueError(f"parallel must be in [1, {MAX_EXACT_ROWS}], got {parallel}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.max_queue, self.parallel, self.cache_prompt = max_queue, parallel, bool(cache_prompt)
+        self.cache_ram_bytes = cache_ram_bytes
         self.counters = Counters()
         self.state = "loading"
         self.load_error: BaseException | None = None
@@ -229,6 +232,7 @@ class Engine:
         batched decode for all of them, every job's new events posted after it."""
         scheduler = self.llm.batch_scheduler(self.parallel)
         scheduler.cache_prompts = self.cache_prompt
+        scheduler.cache_ram_bytes = self.cache_ram_bytes if self.cache_prompt else 0
         jobs: dict[Any, Job] = {}
         while True:
             with self._wake:
