@@ -38,6 +38,7 @@ from .batch import Batch
 from .context import Context
 from .draft_length import CostTable, DraftLengthChooser, SourceChooser
 from .drafter import Draft, Drafter
+from .errors import MemoryOpError
 from .generate import GenerationResult, prompt_tokens, sampling_params, stream_events
 from .hybrid import source_name
 from .sampling import Sampler, probabilities
@@ -234,7 +235,20 @@ class Speculator:
         finally:
             stats.t_decode = time.perf_counter() - t0
             if clean:
-                ctx._remember(self, np.asarray(in_memory))
+                self._remember(tokens, in_memory, stats)
+
+    def _remember(self, tokens: np.ndarray, in_memory: list[int], stats: SpecStats) -> None:
+        """Record what the memory holds for the next ``reuse_prefix``, first dropping accepted drafts past the last
+        token handed out (a generation cut inside a round): a recurrent state is reusable only whole."""
+        ctx = self.target
+        shown = len(tokens) + stats.n_generated
+        if len(in_memory) > shown:
+            try:
+                ctx.seq_rm(0, shown, -1)
+            except MemoryOpError:
+                return
+            del in_memory[shown:]
+        ctx._remember(self, np.asarray(in_memory))
 
     def _prefill(self, tokens: np.ndarray, sampler: Sampler, keep: int = 0) -> int:
         """Decode the prompt from position ``keep`` (dense capture, logits on the last row), feed the drafter
