@@ -10,6 +10,14 @@ whether both servers gave the same text for every prompt (they must, at temperat
 
     python scripts/bench_server.py --clients 1 4 --json benchmarks/server-smollm2-cpu.json
     python scripts/bench_server.py --clients 4 8 --parallel 4 --json benchmarks/server-parallel4-smollm2-cpu.json
+
+``--turns K`` measures the prompt cache instead: every prompt opens a conversation of K turns (the reply goes back
+as the assistant's message, then a fixed follow-up question), against the server with the drafter, once with the
+prompt cache (the default) and once with ``--no-cache-prompt``. Printed per turn: time to first token (mean and
+p50 over the conversations), prompt tokens and how many came from the cache; then turn K's time to first token
+over turn 1's, and whether both servers gave the same replies.
+
+    python scripts/bench_server.py --turns 6 --n-prompts 8 --json benchmarks/server-multiturn-smollm2-cpu.json
 """
 from __future__ import annotations
 
@@ -32,10 +40,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_smollm2 import cpu_name  # noqa: E402
 
 
+FOLLOW_UPS = ["Can you say more about that?", "Give me a concrete example.", "What is the most common mistake here?",
+              "Summarise everything so far in two sentences.", "How would you explain it to a child?",
+              "What should I read next?", "Thank you. Anything else I should know?"]
+
+
 def start_server(model: str, drafter: str | None, n_threads: int, n_ctx: int,
-                 parallel: int = 1) -> tuple[subprocess.Popen, str]:
+                 parallel: int = 1, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pyllama_dspark", "serve", "-m", model, "--port", "0", "-t", str(n_threads),
-           "-c", str(n_ctx), "--max-queue", "1024", "--parallel", str(parallel)] + (["-md", drafter] if drafter else [])
+           "-c", str(n_ctx), "--max-queue", "1024", "--parallel", str(parallel), *extra] + (
+               ["-md", drafter] if drafter else [])
     # not in the working directory: `python -m` would import a source tree there instead of the installed package
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tempfile.gettempdir())
     line = proc.stderr.readline()
@@ -89,7 +103,9 @@ async def one_request(http: httpx.AsyncClient, url: str, messages: list[dict], m
                     pieces.append(content)
     total = time.perf_counter() - t0
     return {"ttft": ttft if ttft is not None else total, "latency": total, "text": "".join(pieces),
-            "completion_tokens": usage["completion_tokens"] if usage else 0}
+            "completion_tokens": usage["completion_tokens"] if usage else 0,
+            "prompt_tokens": usage["prompt_tokens"] if usage else 0,
+            "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0) if usage else 0}
 
 
 async def run_clients(url: str, prompts: list[list[dict]], n_clients: int, max_tokens: int) -> tuple[list, float]:
@@ -104,6 +120,59 @@ async def run_clients(url: str, prompts: list[list[dict]], n_clients: int, max_t
         await asyncio.gather(*(client(i) for i in range(n_clients)))
         wall = time.perf_counter() - t0
     return results, wall
+
+
+async def run_conversations(url: str, openings: list[list[dict]], n_clients: int, turns: int,
+                            max_tokens: int) -> list[list[dict]]:
+    """Every client holds conversations i, i + n_clients, ... in turn, each ``turns`` requests long; the per-turn
+    results of every conversation, in opening order."""
+    results: list[list[dict] | None] = [None] * len(openings)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as http:
+        async def client(i: int) -> None:
+            for j in range(i, len(openings), n_clients):
+                messages, per_turn = list(openings[j]), []
+                for turn in range(turns):
+                    if turn:
+                        messages += [{"role": "assistant", "content": per_turn[-1]["text"]},
+                                     {"role": "user", "content": FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]}]
+                    per_turn.append(await one_request(http, url, messages, max_tokens))
+                results[j] = per_turn
+
+        await asyncio.gather(*(client(i) for i in range(n_clients)))
+    return results
+
+
+def multi_turn(args, model: str, drafter: str, openings: list[list[dict]]) -> dict:
+    """``--turns``: the prompt cache on against off, per turn."""
+    report = {"mode": "multi-turn", "model": Path(model).name, "drafter": Path(drafter).name, "turns": args.turns,
+              "max_tokens": args.max_tokens, "n_threads": args.n_threads, "parallel": args.parallel,
+              "conversations": len(openings), "clients": args.clients[0], "cpu": cpu_name(), "configs": {}}
+    texts = {}
+    for name, extra in (("cache", ()), ("no_cache", ("--no-cache-prompt",))):
+        proc, url = start_server(model, drafter, args.n_threads, args.n_ctx, args.parallel, extra)
+        try:
+            results = asyncio.run(run_conversations(url, openings, args.clients[0], args.turns, args.max_tokens))
+        finally:
+            stop_server(proc)
+        texts[name] = [[turn["text"] for turn in conversation] for conversation in results]
+        per_turn = []
+        for turn in range(args.turns):
+            rows = [conversation[turn] for conversation in results]
+            ttft = np.array([r["ttft"] for r in rows])
+            per_turn.append({"turn": turn + 1, "ttft_mean_s": float(ttft.mean()),
+                             "ttft_p50_s": float(np.percentile(ttft, 50)),
+                             "prompt_tokens": int(sum(r["prompt_tokens"] for r in rows)),
+                             "cached_tokens": int(sum(r["cached_tokens"] for r in rows))})
+            t = per_turn[-1]
+            print(f"{name:<8} turn {turn + 1}: ttft mean {t['ttft_mean_s'] * 1000:6.0f} ms, p50 "
+                  f"{t['ttft_p50_s'] * 1000:6.0f} ms; prompt tokens {t['prompt_tokens']:6d}, cached "
+                  f"{t['cached_tokens']:6d}")
+        growth = per_turn[-1]["ttft_mean_s"] / per_turn[0]["ttft_mean_s"]
+        report["configs"][name] = {"per_turn": per_turn, "ttft_last_over_first": growth}
+        print(f"{name:<8}: ttft turn {args.turns} / turn 1 = {growth:.2f}x")
+    report["identical"] = texts["cache"] == texts["no_cache"]
+    print(f"replies identical with and without the cache: {'yes' if report['identical'] else 'NO'}")
+    return report
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -144,8 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-c", "--n-ctx", type=int, default=2048)
     parser.add_argument("-np", "--parallel", type=int, default=1,
                         help="the server's --parallel: requests decoded at once (default 1)")
+    parser.add_argument("--turns", type=int, default=0,
+                        help="multi-turn mode: conversations of this many turns, the prompt cache on against off "
+                             "(default 0: single requests, plain against the drafter)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
+    if args.turns < 0:
+        parser.error(f"--turns must be >= 0, got {args.turns}")
 
     model, drafter = args.model, args.drafter
     if model is None or drafter is None:
@@ -154,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         model = model or str(bundled.smollm2_path())
         drafter = drafter or str(bundled.drafter_path())
     prompts = load_messages(args.prompts, args.n_prompts)
+    if args.turns:
+        report = multi_turn(args, model, drafter, prompts)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        return 0 if report["identical"] else 1
     report = {"model": Path(model).name, "drafter": Path(drafter).name, "max_tokens": args.max_tokens,
               "n_threads": args.n_threads, "parallel": args.parallel, "prompts": len(prompts), "cpu": cpu_name(),
               "runs": []}

@@ -165,6 +165,29 @@ def test_bench_server_small(tmp_path, make_pair):
         assert run["plain"]["draft_tokens"] == 0
 
 
+def test_bench_server_multi_turn_small(tmp_path, make_pair):
+    pytest.importorskip("uvicorn", reason="the server needs the [server] extra: pip install '.[server]'")
+    pytest.importorskip("httpx", reason="bench_server.py needs httpx: pip install '.[test]'")
+    from pyllama_dspark.testing import TinySpec
+
+    pair = make_pair(TinySpec(arch="llama", n_layer=3, vocab="llama-spm", chat_template="chatml"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"story {i} about a cat"}]})
+                               + "\n" for i in range(3)))
+    result = run_script("bench_server.py", "--model", str(pair.target), "--drafter", str(pair.drafter), "--prompts",
+                        str(prompts), "--clients", "1", "--turns", "3", "--max-tokens", "8", "-c", "512",
+                        tmp_path=tmp_path)
+    assert result["mode"] == "multi-turn" and result["identical"] and result["conversations"] == 3
+    cache, no_cache = result["configs"]["cache"]["per_turn"], result["configs"]["no_cache"]["per_turn"]
+    assert [t["turn"] for t in cache] == [1, 2, 3]
+    assert [t["prompt_tokens"] for t in cache] == [t["prompt_tokens"] for t in no_cache]
+    assert all(t["cached_tokens"] == 0 for t in no_cache)
+    # from turn 2 on each conversation finds its previous prompt (at least) in the cache (one client: with
+    # --parallel 1 conversations held side by side would share one memory)
+    assert all(t["cached_tokens"] >= p["prompt_tokens"] - 3 for t, p in zip(cache[1:], cache))
+    assert result["configs"]["cache"]["ttft_last_over_first"] > 0
+
+
 def test_bench_batching_small(tmp_path, make_pair):
     from pyllama_dspark.testing import TinySpec
 
