@@ -50,7 +50,7 @@ import numpy as np
 
 from . import checks
 from .batch import Batch
-from .context import CancelToken, Context
+from .context import EXACT_UBATCH, CancelToken, Context
 from .draft_length import DraftLengthChooser
 from .drafter import Draft
 from .errors import DecodeAbortedError, MemoryOpError
@@ -58,7 +58,7 @@ from .generate import GenerationResult, TextStream, TokenEvent
 from .sampling import Sampler
 from .stats import SpecStats
 
-MAX_EXACT_ROWS = 64  # rows a decode may have for consistent numerics to hold (patches 0005, 0012)
+MAX_EXACT_ROWS = EXACT_UBATCH  # rows a decode may have for consistent numerics to hold (patches 0005, 0012)
 _NOTHING = np.zeros(0, dtype=np.int64)
 MIN_SAVED_TOKENS = 16  # a slot's memory is copied to host memory before it is cut only when this much is cut
 

@@ -9,7 +9,8 @@ sockets on loopback.
   find their conversation's memory, in its slot or brought back from host memory (the hit rate is printed).
 - ``--no-cache-prompt`` evaluates every prompt whole.
 - A 64 MiB body gets 413 in under a second, before it is read (declared or chunked); a body that lies about its
-  Content-Length is refused; one that stops arriving gets 408; the server stays healthy.
+  Content-Length is refused; one that stops arriving gets 408; the server stays healthy, and serves a request
+  beside 300 half-open connections.
 """
 
 from __future__ import annotations
@@ -300,6 +301,26 @@ def test_a_body_that_lies_about_its_length_is_refused(small_server, monkeypatch)
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body, _ = raw_request(small_server, head("12abc"), [payload])
     assert status == 400  # uvicorn's parser refuses it before the app sees it
+    assert_healthy(small_server)
+
+
+def test_half_open_connections_do_not_hold_up_a_request(small_server):
+    """300 connections that never finish their request head (uvicorn has no timeout for them): a normal request is
+    still served, and the server stays healthy after they go."""
+    host, port = small_server.url.removeprefix("http://").split(":")
+    sockets = []
+    try:
+        for _ in range(300):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: app")
+            sockets.append(sock)
+        t0 = time.perf_counter()
+        reply = httpx.post(f"{small_server.url}/v1/completions", json={"prompt": [4, 5], "max_tokens": 3}, timeout=60)
+        print(f"a request beside 300 half-open connections: {time.perf_counter() - t0:.2f} s")
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+    finally:
+        for sock in sockets:
+            sock.close()
     assert_healthy(small_server)
 
 

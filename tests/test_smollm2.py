@@ -81,3 +81,39 @@ def test_the_bundled_drafter_predicts_the_target():
     # measured 1.75 on this prompt with the drafter trained on 787k generated tokens (held-out mean 1.71; the ones
     # before 1.58, 1.34 and 1.47); untrained ~1.0. Fixed k and greedy: the figure does not depend on timing.
     assert tau > 1.6, proc.stderr
+
+
+def test_a_kept_prefix_leaves_the_memory_a_cold_prefill_leaves():
+    """The prompt cache's exactness on a real quantized model: a conversation's memory made by a prefill and then
+    token by token (what a kept prefix holds) against one prefill of the whole, in n_batch 512. Bit-identical
+    logits after the next message, because a prompt is computed in ubatches of at most 64 tokens under consistent
+    numerics (with ubatches of 512, Q4_1's batch kernels moved these logits by up to 0.48)."""
+    import numpy as np
+
+    from pyllama_dspark import Batch, Context, Model, generate
+
+    with Model(SMOLLM2) as model:
+        text = (Path(__file__).resolve().parent.parent / "README.md").read_text()[:3000]
+        prompt = [int(t) for t in model.tokenize(text, add_special=True)][:400]
+        warm = Context(model, n_ctx=1024)
+        try:
+            reply = generate(warm, prompt, max_tokens=40, stop_at_eog=False).tokens  # decoded one at a time
+            follow = prompt + reply + [int(t) for t in model.tokenize(" Go on.", add_special=False)]
+            again = generate(warm, follow, max_tokens=1, stop_at_eog=False, reuse_prefix=True)
+            assert again.stats.n_reused == len(prompt) + len(reply)
+            kept = warm.logits(-1).copy()
+        finally:
+            warm.close()
+        for n_ubatch in (None, 512):
+            cold = Context(model, n_ctx=1024, n_batch=512, n_ubatch=n_ubatch)
+            try:
+                batch = Batch(512)
+                batch.add_tokens(np.asarray(follow), 0, logits="last")
+                cold.decode(batch)
+                if n_ubatch is None:
+                    assert cold.n_ubatch == 64
+                    assert np.array_equal(cold.logits(-1), kept)
+                else:  # what a prompt computed in one wide ubatch would give: not the same bits
+                    assert not np.array_equal(cold.logits(-1), kept)
+            finally:
+                cold.close()
