@@ -193,8 +193,8 @@ def test_the_mode_covers_batches_up_to_64_and_prompt_sized_batches_keep_the_fast
 
 
 def _prompt_and_next_rows(model, prompt, following, consistent):
-    """Logits of a prompt batch (all rows), then of single tokens after it."""
-    ctx = Context(model, n_ctx=256, n_batch=128, consistent_numerics=consistent)
+    """Logits of a prompt batch (all rows, one ubatch), then of single tokens after it."""
+    ctx = Context(model, n_ctx=256, n_batch=128, n_ubatch=128, consistent_numerics=consistent)
     batch = Batch(128)
     batch.add_tokens(prompt, 0, logits="all")
     ctx.decode(batch)

@@ -195,6 +195,23 @@ def test_eight_conversations_on_four_slots_keep_their_prefixes(make_pair):
         cold.close()
 
 
+def test_sampling_with_a_kept_prefix_equals_sampling_cold(make_pair):
+    """At temperature > 0 with a seed, a turn that reuses the conversation's memory draws what a cold server draws:
+    the kept memory is bit for bit a cold prefill's, and the sampler's stream is the request's own."""
+    pair = make_pair(spec("llama"))
+    messages = [{"role": "user", "content": USER_TURNS[0]}]
+    replies = {}
+    for cache in (True, False):
+        with BackgroundServer(pair.target, drafter=pair.drafter, n_ctx=512, alias="m", cache_prompt=cache) as srv:
+            api = client(srv)
+            _, first = ask(api, messages)
+            follow = messages + [{"role": "assistant", "content": first}, {"role": "user", "content": USER_TURNS[1]}]
+            reply = api.chat.completions.create(model="m", messages=follow, max_tokens=N, temperature=0.9, seed=7)
+            assert (reply.usage.prompt_tokens_details.cached_tokens > 0) == cache
+            replies[cache] = reply.choices[0].message.content
+    assert replies[True] == replies[False]
+
+
 def test_without_the_cache_every_prompt_is_evaluated_whole(make_pair):
     pair = make_pair(spec("llama"))
     with BackgroundServer(pair.target, n_ctx=512, alias="m", cache_prompt=False) as srv:

@@ -99,7 +99,8 @@ def test_a_kept_prefix_leaves_the_memory_a_cold_prefill_leaves():
         try:
             reply = generate(warm, prompt, max_tokens=40, stop_at_eog=False).tokens  # decoded one at a time
             follow = prompt + reply + [int(t) for t in model.tokenize(" Go on.", add_special=False)]
-            again = generate(warm, follow, max_tokens=1, stop_at_eog=False, reuse_prefix=True)
+            # max_tokens=0: the follow-up is only prefilled (a generated token would be decoded in turn)
+            again = generate(warm, follow, max_tokens=0, stop_at_eog=False, reuse_prefix=True)
             assert again.stats.n_reused == len(prompt) + len(reply)
             kept = warm.logits(-1).copy()
         finally:
