@@ -23,6 +23,7 @@ from .errors import (  # noqa: E402
     DecodeAbortedError,
     DecodeError,
     FatalDecodeError,
+    GrammarError,
     InvalidBatchError,
     KvCacheFullError,
     LibraryMismatchError,
@@ -36,18 +37,22 @@ from .draft_length import DraftLengthChooser  # noqa: E402
 from .drafter import Draft, Drafter, DrafterError, DSparkDrafter, PromptLookupDrafter  # noqa: E402
 from .generate import GenerationResult, TokenEvent, generate  # noqa: E402
 from .hybrid import HybridDrafter  # noqa: E402
+from .logprobs import TokenLogprob  # noqa: E402
 from .model import Model, quantize  # noqa: E402
 from .sampling import Sampler, SamplingParams  # noqa: E402
 from .speculative import SpecResult, Speculator, Step  # noqa: E402
 from .stats import SpecStats  # noqa: E402
+from .structured import Grammar  # noqa: E402
+from .tools import ToolError  # noqa: E402
 
 __all__ = [
     "load", "LLM",
     "Batch", "EmbdBatch", "Context", "CancelToken", "Model", "quantize", "generate", "GenerationResult", "TokenEvent",
     "Speculator", "Step", "SpecResult", "SpecStats", "DraftLengthChooser",
     "DSparkDrafter", "PromptLookupDrafter", "HybridDrafter", "Drafter", "Draft", "DrafterError",
-    "Sampler", "SamplingParams", "build_info",
+    "Sampler", "SamplingParams", "build_info", "Grammar", "TokenLogprob",
     "LlamaError", "ModelLoadError", "ContextInitError", "DecodeError", "KvCacheFullError",
     "DecodeAbortedError", "InvalidBatchError", "FatalDecodeError", "MemoryOpError", "CaptureError",
     "ContextBusyError", "ClosedHandleError", "LibraryMismatchError", "UnsupportedModeError", "RpcError",
+    "GrammarError", "ToolError",
 ]

@@ -24,12 +24,15 @@ from .completions import completion, completion_chunks, completion_head
 from .context import CancelToken, Context
 from .drafter import DSparkDrafter, PromptLookupDrafter
 from .errors import DecodeAbortedError
-from .generate import GenerationResult, TokenEvent, generate, prompt_tokens, sampling_params
+from .generate import (GenerationResult, OutputRules, TokenEvent, generate, output_options, prompt_tokens,
+                       sampling_params)
 from .hybrid import HybridDrafter
 from .model import Model
 from .sampling import Sampler
 from .speculative import Speculator
 from .stats import SpecStats
+from .structured import Grammar
+from .tools import call_grammar, check_tool_choice, check_tools, prompt_messages
 
 
 def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str] | Any | None = None, *,
@@ -130,7 +133,9 @@ class LLM:
     def generate(self, prompt: str | Sequence[int], *, cancel: CancelToken | None = None,
                  **kwargs) -> GenerationResult:
         """Generate from a text or token-id prompt. Keyword arguments as ``pyllama_dspark.generate``
-        (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_at_eog``...).
+        (``max_tokens``, ``temperature``, ``top_k``, ``top_p``, ``seed``, ``stop``, ``stop_at_eog``, ``grammar``,
+        ``logprobs``...), and OpenAI's ``response_format`` (``{"type": "json_object"}`` or ``{"type":
+        "json_schema", "json_schema": {"schema": ...}}``) for a grammar.
 
         ``cancel``: a ``CancelToken``; once another thread cancels it the generation stops at the next round (or
         inside a long prefill) and ends with ``stop_reason`` "cancelled" and the tokens committed so far."""
@@ -153,6 +158,9 @@ class LLM:
         return self._run(prompt, kwargs, stream=stream, cancel=cancel)
 
     def _run(self, prompt, kwargs, *, stream: bool, cancel: CancelToken | None = None):
+        if "response_format" in kwargs:
+            kwargs = dict(kwargs)
+            kwargs["grammar"] = self._grammar(kwargs.pop("response_format"), kwargs.get("grammar"))
         if cancel is not None:
             checks.instance("cancel", cancel, CancelToken)
             events = self._watch(self._run(prompt, kwargs, stream=True), cancel)  # arguments checked here
@@ -196,10 +204,12 @@ class LLM:
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], *, parallel: int = 4, max_tokens: int = 128,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                        stop: str | Sequence[str] | None = None, stop_at_eog: bool = True,
-                       add_special: bool = True) -> list[GenerationResult]:
+                       add_special: bool = True, grammar: Grammar | None = None,
+                       logprobs: int | None = None) -> list[GenerationResult]:
         """Generate for many prompts, ``parallel`` at a time sharing every decode (continuous batching); the
         results in prompt order. At temperature 0 each result is exactly what ``generate`` gives for that prompt
-        alone. With ``seed``, prompt i samples with seed + i.
+        alone. With ``seed``, prompt i samples with seed + i. ``grammar`` and ``logprobs`` as ``generate``, for
+        every prompt.
 
         Raises:
             TypeError / ValueError: as ``generate``, for any of the prompts (checked before any decode).
@@ -210,11 +220,14 @@ class LLM:
         max_tokens = checks.integer("max_tokens", max_tokens, minimum=0)
         stop = checks.stop_strings(stop)
         seed = checks.optional_integer("seed", seed)
+        grammar, logprobs = output_options(grammar, logprobs)
         requests = []
         for i, prompt in enumerate(prompts):
             tokens = prompt_tokens(scheduler.ctx, prompt, add_special=add_special)
             params = sampling_params(temperature, top_k, top_p, None if seed is None else seed + i)
-            requests.append(BatchRequest(tokens, max_tokens, Sampler(params), stop, stop_at_eog=stop_at_eog))
+            rules = OutputRules(self.model, grammar, logprobs) if grammar is not None or logprobs is not None else None
+            requests.append(BatchRequest(tokens, max_tokens, Sampler(params), stop, stop_at_eog=stop_at_eog,
+                                         rules=rules))
         try:
             return scheduler.run(requests)
         except BaseException:  # an interrupt or a failed decode: the next call starts from an empty scheduler
@@ -250,33 +263,77 @@ class LLM:
     # --- OpenAI-shaped completions (llama-cpp-python's names) ----------------------------
     def create_completion(self, prompt: str | Sequence[int], *, max_tokens: int | None = 16, temperature: float = 0.0,
                           top_p: float = 1.0, top_k: int = 0, stop: str | Sequence[str] | None = None,
-                          seed: int | None = None, stream: bool = False):
+                          seed: int | None = None, stream: bool = False, logprobs: int | None = None,
+                          response_format: Mapping[str, Any] | None = None, grammar: Grammar | None = None):
         """A ``text_completion`` dict (``choices[0].text``, ``finish_reason``, ``usage``, and ``speculative``
         statistics when a drafter runs), or with ``stream`` an iterator of chunk dicts. Temperature 0 (the
-        default here, unlike llama-cpp-python's 0.8) is exact greedy decoding."""
+        default here, unlike llama-cpp-python's 0.8) is exact greedy decoding. ``logprobs``: each token's
+        log-probability and this many alternatives (``choices[0].logprobs``: tokens, token_logprobs,
+        top_logprobs, text_offset); ``response_format`` / ``grammar``: structured output."""
         knobs = self._knobs(max_tokens, temperature, top_p, top_k, stop, seed)
+        knobs.update(logprobs=logprobs, grammar=self._grammar(response_format, grammar))
         return self._completion(prompt, knobs, stream, chat=False)
 
-    def create_chat_completion(self, messages: Sequence[Mapping[str, str]], *, max_tokens: int | None = None,
+    def create_chat_completion(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int | None = None,
                                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                               stop: str | Sequence[str] | None = None, seed: int | None = None, stream: bool = False):
+                               stop: str | Sequence[str] | None = None, seed: int | None = None, stream: bool = False,
+                               logprobs: bool = False, top_logprobs: int | None = None,
+                               response_format: Mapping[str, Any] | None = None, grammar: Grammar | None = None,
+                               tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None):
         """A ``chat.completion`` dict (``choices[0].message``, ``finish_reason``, ``usage``, ``speculative``),
         or with ``stream`` an iterator of ``chat.completion.chunk`` dicts (``delta``). ``max_tokens`` None
-        generates until the end of generation or of the context."""
-        prompt = self.model.apply_chat_template(checks.messages(messages))
+        generates until the end of generation or of the context.
+
+        ``logprobs`` / ``top_logprobs`` (0..20): OpenAI's ``choices[0].logprobs.content``. ``response_format``
+        (``{"type": "json_object"}``, ``{"type": "json_schema", ...}``) or ``grammar``: structured output.
+        ``tools`` and ``tool_choice`` ("auto", "none", "required", or ``{"type": "function", "function": {"name":
+        ...}}``): function calling (``pyllama_dspark.tools``); a reply that calls a tool has ``message.tool_calls``
+        and ``finish_reason`` "tool_calls".
+
+        Raises:
+            ToolError / GrammarError (ValueErrors naming the field), TypeError: bad arguments.
+        """
+        checks.instance("logprobs", logprobs, bool)
+        top = checks.optional_integer("top_logprobs", top_logprobs, minimum=0)
+        if top is not None and not logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
+        offered = check_tools(tools) if tools is not None else []
+        choice = check_tool_choice(tool_choice, offered)
+        grammar = self._grammar(response_format, grammar)
+        forced = call_grammar(offered, choice)
+        if forced is not None:
+            if grammar is not None:
+                raise ValueError(f"tool_choice {tool_choice!r} constrains the reply to a tool call: it cannot be "
+                                 "combined with response_format or grammar")
+            grammar = forced
+        shown = offered if choice != "none" else []
+        rendered = prompt_messages(messages, offered, choice, template_renders_tools=self.model.renders_tools)
+        prompt = self.model.apply_chat_template(checks.messages(rendered),
+                                                tools=[t.as_openai() for t in shown] or None)
         knobs = self._knobs(max_tokens, temperature, top_p, top_k, stop, seed)
-        return self._completion(prompt, knobs, stream, chat=True)
+        knobs.update(logprobs=(top or 0) if logprobs else None, grammar=grammar)
+        return self._completion(prompt, knobs, stream, chat=True, tools=shown)
+
+    @staticmethod
+    def _grammar(response_format, grammar) -> Grammar | None:
+        from_format = Grammar.from_response_format(response_format) if response_format is not None else None
+        if from_format is not None and grammar is not None:
+            raise ValueError("give response_format or grammar, not both")
+        return from_format if from_format is not None else grammar
 
     def _knobs(self, max_tokens, temperature, top_p, top_k, stop, seed) -> dict:
         max_tokens = self.ctx.n_ctx if max_tokens is None else checks.integer("max_tokens", max_tokens, minimum=0)
         return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop, seed=seed)
 
-    def _completion(self, prompt, knobs: dict, stream: bool, *, chat: bool):
+    def _completion(self, prompt, knobs: dict, stream: bool, *, chat: bool, tools=()):
         head = completion_head(chat=chat, model_name=Path(self.model.path).name)
+        piece = self.model.token_to_piece
         if stream:
-            return completion_chunks(self._run(prompt, dict(knobs), stream=True), head, chat=chat)
+            return completion_chunks(self._run(prompt, dict(knobs), stream=True), head, chat=chat, piece=piece,
+                                     tools=list(tools))
         result = self._run(prompt, dict(knobs), stream=False)
-        return completion(result, head, chat=chat, speculative=self.speculator is not None)
+        return completion(result, head, chat=chat, speculative=self.speculator is not None, piece=piece,
+                          tools=list(tools))
 
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:

@@ -54,7 +54,7 @@ from .context import EXACT_UBATCH, CancelToken, Context
 from .draft_length import DraftLengthChooser
 from .drafter import Draft
 from .errors import DecodeAbortedError, MemoryOpError
-from .generate import GenerationResult, TextStream, TokenEvent
+from .generate import GenerationResult, OutputRules, TextStream, TokenEvent
 from .sampling import Sampler
 from .stats import SpecStats
 
@@ -76,7 +76,8 @@ class _Saved:
 
 @dataclass
 class BatchRequest:
-    """One generation for the scheduler: prompt token ids and its own sampler (seeded per request)."""
+    """One generation for the scheduler: prompt token ids and its own sampler (seeded per request); ``rules``: a
+    grammar and logprobs (``OutputRules``, one per request; None: free text, no logprobs)."""
 
     tokens: np.ndarray
     max_tokens: int
@@ -85,6 +86,7 @@ class BatchRequest:
     stop_at_eog: bool = True
     cancel: CancelToken | None = None
     stop_tokens: frozenset[int] = frozenset()  # ids that end the generation (kept), besides end-of-generation
+    rules: OutputRules | None = None
 
 
 class VerifyCostModel:
@@ -151,6 +153,7 @@ class BatchSequence:
         self.stats.n_prompt, self.stats.stop_reason = len(request.tokens), "max_tokens"
         self.text = text
         self.tokens: list[int] = []
+        self.logprobs: list | None = None if request.rules is None or request.rules.n_logprobs is None else []
         self.chooser = chooser
         self.prefilled = 0  # prompt tokens decoded so far (from the kept prefix on, with the prompt cache)
         self.in_memory: list[int] | None = []  # the ids the sequence's memory holds; None: unknown (an aborted decode)
@@ -458,7 +461,12 @@ class BatchScheduler:
             seq.pos = len(tokens)
             seq._t_decode0 = time.perf_counter()
             logits = self.ctx.logits(-1)
-            self._commit(seq, [seq.request.sampler(logits)], [False], events, logits=logits[None])
+            rules = seq.request.rules
+            if rules is None:
+                token, logprob = seq.request.sampler(logits), None
+            else:
+                token, logprob = rules.choose(logits, seq.request.sampler)
+            self._commit(seq, [token], [False], events, logits=logits[None], logprobs=[logprob])
 
     def _round(self, decoding: list[BatchSequence], events) -> None:
         n_ctx = self.ctx.n_ctx_seq
@@ -477,12 +485,18 @@ class BatchScheduler:
             drafts = dict(zip(drafting, made))
         t_draft = time.perf_counter() - t0
         n_drafted_all = sum(len(d.tokens) for d in drafts.values()) or 1
-        chosen = {}
+        chosen, refused = {}, {}
         for seq in decoding:
             draft = drafts.get(seq, Draft(np.zeros(0, np.int32)))
             k = min(plans[seq], len(draft.tokens))
             if seq.chooser is not None and k:
                 k = seq.chooser.cut(draft.confidence, k, t_draft * len(draft.tokens) / n_drafted_all)
+            guide = seq.request.rules.guide if seq.request.rules is not None else None
+            if guide is not None and k:  # cut before the first token the grammar refuses (Speculator._round)
+                n_valid = guide.valid_prefix(draft.tokens[:k])
+                if n_valid < k:
+                    seq.stats.n_draft_invalid += k - n_valid
+                    refused[seq], k = int(draft.tokens[n_valid]), n_valid
             chosen[seq] = (draft, np.asarray(draft.tokens[:k], dtype=np.int32))
         # verify: every sequence's [anchor, d0..dk-1], each at its positions in its own sequence
         self._batch.clear()
@@ -507,7 +521,18 @@ class BatchScheduler:
         for seq in decoding:
             draft, drafts_k = chosen[seq]
             k, start = len(drafts_k), starts[seq]
-            n, token = Speculator._accept(drafts_k, draft, logits[start:start + k + 1], seq.request.sampler)
+            rules = seq.request.rules
+            rows_k = logits[start:start + k + 1]
+            if rules is not None and rules.guide is not None:
+                rows_k = rules.guide.mask_rows(rows_k, drafts_k)
+            n, token = Speculator._accept(drafts_k, draft, rows_k, seq.request.sampler, refused.get(seq))
+            committed = [int(t) for t in drafts_k[:n]] + [token]
+            logprobs = None
+            if rules is not None:
+                if rules.guide is not None:
+                    rules.guide.advance(committed)
+                if rules.n_logprobs is not None:
+                    logprobs = [rules.logprob(logits[start + i], t) for i, t in enumerate(committed)]
             if n < k:
                 self.ctx.seq_rm(seq.seq_id, seq.pos + n + 1, -1)
             seq.in_memory.append(int(seq.anchor))
@@ -523,8 +548,8 @@ class BatchScheduler:
             if seq.chooser is not None:
                 seq.chooser.observe_round(k, n, share_draft, share_verify, k_drafted=len(draft.tokens))
             seq.pos += n + 1
-            self._commit(seq, [int(t) for t in drafts_k[:n]] + [token], [True] * n + [False], events, rows=rows,
-                         logits=logits[start:start + n + 1])
+            self._commit(seq, committed, [True] * n + [False], events, rows=rows, logits=logits[start:start + n + 1],
+                         logprobs=logprobs)
 
     def _fit_rows(self, plans: dict) -> None:
         """Fewer drafts where the batch would exceed max_rows: the longest drafts are shortened first."""
@@ -535,22 +560,27 @@ class BatchScheduler:
             plans[longest] -= 1
 
     def _commit(self, seq: BatchSequence, tokens: list[int], from_draft: list[bool], events, *, rows=None,
-                logits=None) -> None:
+                logits=None, logprobs=None) -> None:
         """Hand out committed tokens (cut at max_tokens, end-of-generation, a stop token or string) and end the
         sequence when one of those, or the end of its context, was reached. ``rows``/``logits``: the capture rows
-        of the decoded positions and the logit rows the tokens came from, for ``on_rows`` (cut like the tokens)."""
+        of the decoded positions and the logit rows the tokens came from, for ``on_rows`` (cut like the tokens);
+        ``logprobs``: the tokens' ``TokenLogprob``s when the request asked for them."""
         model, request = self.ctx.model, seq.request
         reason = None
         kept = 0
-        for token, drafted in zip(tokens, from_draft):
+        for i, (token, drafted) in enumerate(zip(tokens, from_draft)):
             seq.tokens.append(token)
             seq.stats.n_generated += 1
             kept += 1
             piece = seq.text.add(token)
-            events[seq].append(TokenEvent(token=token, text=piece, from_draft=drafted))
+            logprob = logprobs[i] if logprobs is not None else None
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprob)
+            events[seq].append(TokenEvent(token=token, text=piece, from_draft=drafted, logprob=logprob))
             if seq.text.stopped or token in request.stop_tokens:
                 reason = "stop"
-            elif request.stop_at_eog and model.is_eog(token):
+            elif (request.rules.ends(token, request.stop_at_eog) if request.rules is not None
+                  else request.stop_at_eog and model.is_eog(token)):
                 reason = "eog"
             elif len(seq.tokens) >= request.max_tokens:
                 reason = "max_tokens"
@@ -571,7 +601,8 @@ class BatchScheduler:
         if seq._t_decode0:
             seq.stats.t_decode = time.perf_counter() - seq._t_decode0
         tail = seq.text.finish() if reason != "cancelled" else ""
-        seq.result = GenerationResult(seq.text.text, list(seq.tokens), reason, seq.stats)
+        seq.result = GenerationResult(seq.text.text, list(seq.tokens), reason, seq.stats,
+                                      logprobs=None if seq.logprobs is None else list(seq.logprobs))
         events[seq].append(TokenEvent(token=-1, text=tail, stop_reason=reason, result=seq.result))
         if self._cache_prompts and seq.in_memory is not None:
             self._trim_unshown(seq)

@@ -8,7 +8,7 @@ itself runs in a sandboxed Jinja environment configured like transformers' chat-
 renderer: ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson``
 filter that keeps non-ASCII text, and the ``raise_exception`` and ``strftime_now`` helpers;
 the variables are ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token`` and
-``tools`` (None).
+``tools`` (None unless given).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def render(template: str, messages: Sequence[Mapping[str, Any]], *, add_generati
 
     try:
         compiled = _compile(template)
+        variables.setdefault("tools", None)
         return compiled.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token, tools=None, **variables)
+                               bos_token=bos_token, eos_token=eos_token, **variables)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as exc:

@@ -17,6 +17,7 @@ seen before the failing call (see ``_log``).
       ContextBusyError                   a generation started on a Context another generation is using
       RpcError                           an RPC server unreachable, of another protocol, or lost mid-run
     ClosedHandleError(ValueError)        use of a closed Model / Context / Batch
+    GrammarError(ValueError)             a grammar / JSON schema / regex that cannot be compiled
     LibraryMismatchError(ImportError)    the loaded libllama is not the one this package was built with
 """
 
@@ -104,6 +105,11 @@ class RpcError(LlamaError):
 
 class ClosedHandleError(ValueError):
     """A native handle was used after close()."""
+
+
+class GrammarError(ValueError):
+    """A structured-output grammar (JSON schema, regex, Lark/GBNF) that cannot be compiled, or a token it refuses;
+    the message names the problem."""
 
 
 class LibraryMismatchError(ImportError):

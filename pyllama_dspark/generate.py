@@ -17,8 +17,10 @@ import numpy as np
 from . import checks
 from .batch import Batch
 from .context import Context
+from .logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprob
 from .sampling import Sampler, SamplingParams
 from .stats import SpecStats
+from .structured import Grammar, GrammarState
 
 
 @dataclass
@@ -32,12 +34,14 @@ class GenerationResult:
             (context full) or "cancelled" (a ``CancelToken``). ``finish_reason`` gives it in OpenAI's terms
             ("stop" or "length").
         stats: ``SpecStats`` (prompt and generated counts, timings; drafting figures stay 0 for plain decoding).
+        logprobs: one ``TokenLogprob`` per token when the generation was asked for ``logprobs``, else None.
     """
 
     text: str
     tokens: list[int]
     stop_reason: str
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def finish_reason(self) -> str:
@@ -71,7 +75,8 @@ def finish_reason(stop_reason: str) -> str:
 
 @dataclass
 class TokenEvent:
-    """One streamed token: its id, the text it releases, and whether a draft proposed it.
+    """One streamed token: its id, the text it releases, whether a draft proposed it, and its ``logprob`` (a
+    ``TokenLogprob`` when the generation was asked for ``logprobs``).
 
     ``text`` is "" while a UTF-8 sequence is incomplete or while the text could still begin a stop string.
     Every stream ends with one event of token -1 whose ``stop_reason`` (and ``finish_reason``) says why
@@ -84,6 +89,7 @@ class TokenEvent:
     from_draft: bool = False
     stop_reason: str | None = None
     result: GenerationResult | None = field(default=None, repr=False, compare=False)
+    logprob: TokenLogprob | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -170,26 +176,65 @@ def prefill(ctx: Context, batch: Batch, tokens: np.ndarray, pos0: int = 0, *, se
         ctx.decode(batch)
 
 
+class OutputRules:
+    """What a generation's tokens must meet and report beside the sampler: a grammar (``GrammarState``; None for
+    free text) and the number of most likely alternatives to report with each token's log-probability (None: no
+    logprobs). One per generation: the grammar state advances with it."""
+
+    def __init__(self, model, grammar: Grammar | None = None, logprobs: int | None = None):
+        self.guide = GrammarState(grammar, model) if grammar is not None else None
+        self.n_logprobs = logprobs
+        self._model = model
+
+    def choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, TokenLogprob | None]:
+        """The next token from one logits row (masked by the grammar), its logprob; the grammar advances."""
+        token = sampler(self.guide.mask(row) if self.guide is not None else row)
+        if self.guide is not None:
+            self.guide.advance([token])
+        return token, self.logprob(row, token)
+
+    def logprob(self, row: np.ndarray, token: int) -> TokenLogprob | None:
+        return None if self.n_logprobs is None else token_logprob(row, token, self.n_logprobs)
+
+    def ends(self, token: int, stop_at_eog: bool) -> bool:
+        """Whether ``token`` ends the generation: an end-of-generation token with ``stop_at_eog``, and always
+        under a grammar (it admits nothing after one)."""
+        return (stop_at_eog or self.guide is not None) and self._model.is_eog(token)
+
+
+def output_options(grammar, logprobs) -> tuple[Grammar | None, int | None]:
+    """``grammar`` and ``logprobs`` arguments checked: a Grammar or None; None or 0..20 alternatives."""
+    if grammar is not None:
+        checks.instance("grammar", grammar, Grammar, "build one with Grammar.json_schema(...), Grammar.regex(...)")
+    logprobs = checks.optional_integer("logprobs", logprobs, minimum=0)
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise ValueError(f"logprobs must be at most {MAX_TOP_LOGPROBS} alternatives, got {logprobs}")
+    return grammar, logprobs
+
+
 def generate_tokens(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler,
-                    stop_at_eog: bool = True, stats: SpecStats | None = None,
-                    reuse_prefix: bool = False) -> Iterator[int]:
-    """Yield generated token ids one by one; ``stats`` (if given) gets the counts, the timings and the stop
-    reason. The context's memory is cleared first, or with ``reuse_prefix`` trimmed to the prefix it shares
-    with the last generation on this context (``Context._reusable_prefix``)."""
+                    stop_at_eog: bool = True, stats: SpecStats | None = None, reuse_prefix: bool = False,
+                    rules: OutputRules | None = None) -> Iterator[tuple[int, TokenLogprob | None]]:
+    """Yield (token id, logprob) one by one (logprob None unless ``rules`` asks for it); ``stats`` (if given)
+    gets the counts, the timings and the stop reason. The context's memory is cleared first, or with
+    ``reuse_prefix`` trimmed to the prefix it shares with the last generation on this context
+    (``Context._reusable_prefix``). ``rules``: a grammar and logprobs (``OutputRules``)."""
     if max_tokens < 0:
         raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
     stats = stats if stats is not None else SpecStats()
     stats.n_prompt, stats.stop_reason = len(tokens), "max_tokens"
+    rules = rules if rules is not None else OutputRules(ctx.model)
     with ctx.generation("plain generation"):  # ContextBusyError if another generation runs on ctx
         yield from _generate_owned(ctx, tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog,
-                                   stats=stats, reuse_prefix=reuse_prefix)
+                                   stats=stats, reuse_prefix=reuse_prefix, rules=rules)
 
 
 PLAIN = "plain generation"  # the owner a plain generation records with its memory
 
 
 def _generate_owned(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler, stop_at_eog: bool,
-                    stats: SpecStats, reuse_prefix: bool) -> Iterator[int]:
+                    stats: SpecStats, reuse_prefix: bool,
+                    rules: OutputRules) -> Iterator[tuple[int, TokenLogprob | None]]:
     keep = ctx._reusable_prefix(PLAIN, tokens, any_owner=True) if reuse_prefix else 0
     ctx._forget()
     if keep:
@@ -207,14 +252,14 @@ def _generate_owned(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sample
         pos = len(tokens)
         t0 = time.perf_counter()
         for _ in range(max_tokens):
-            token = sampler(ctx.logits(-1))
+            token, logprob = rules.choose(ctx.logits(-1), sampler)
             stats.n_generated += 1
             try:
-                yield token
+                yield token, logprob
             except GeneratorExit:  # the consumer stopped: the memory is as consistent as after a return
                 clean = True
                 raise
-            if stop_at_eog and ctx.model.is_eog(token):
+            if rules.ends(token, stop_at_eog):
                 stats.stop_reason = "eog"
                 break
             if pos >= ctx.n_ctx_seq:
@@ -235,7 +280,8 @@ def _generate_owned(ctx: Context, tokens: np.ndarray, *, max_tokens: int, sample
 
 def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
-             stream: bool = False, stop_at_eog: bool = True, add_special: bool = True, reuse_prefix: bool = False):
+             stream: bool = False, stop_at_eog: bool = True, add_special: bool = True, reuse_prefix: bool = False,
+             grammar: Grammar | None = None, logprobs: int | None = None):
     """Generate a continuation of ``prompt`` with plain autoregressive decoding.
 
     Args:
@@ -251,24 +297,33 @@ def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128
             (a chat's next turn) instead of decoding the whole prompt again; ``stats.n_reused`` says how many
             tokens were kept. Off by default: prompts longer than 64 tokens are decoded with batch kernels
             whose last bits depend on how the prompt was split, so a reused prefix may round differently.
+        grammar: a ``Grammar`` the output must meet (structured output: JSON schema, regex, Lark); the generation
+            ends when the grammar is complete and the model ends it.
+        logprobs: report each token's log-probability with this many most likely alternatives (0..20;
+            ``pyllama_dspark.logprobs``): ``result.logprobs`` and ``TokenEvent.logprob``. None: none.
 
     Returns:
         GenerationResult, or an iterator of TokenEvent when ``stream``.
 
     Raises:
         TypeError: an argument of the wrong type (the message names it), e.g. a Model for ``ctx``.
-        ValueError: empty prompt, prompt too long for n_ctx, bad sampling params.
+        ValueError: empty prompt, prompt too long for n_ctx, bad sampling params, logprobs above 20;
+            GrammarError (a ValueError): a grammar this vocabulary cannot meet.
     """
     checks.instance("ctx", ctx, Context, "create one with Context(model), or use pyllama_dspark.load(path)")
     max_tokens = checks.integer("max_tokens", max_tokens, minimum=0)
     stop = checks.stop_strings(stop)
     sampler = Sampler(sampling_params(temperature, top_k, top_p, seed))
+    grammar, logprobs = output_options(grammar, logprobs)
     tokens = prompt_tokens(ctx, prompt, add_special=add_special)
+    rules = OutputRules(ctx.model, grammar, logprobs)
     stats = SpecStats()
-    result = GenerationResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
+    result = GenerationResult(text="", tokens=[], stop_reason="max_tokens", stats=stats,
+                              logprobs=None if logprobs is None else [])
     ids = generate_tokens(ctx, tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog, stats=stats,
-                          reuse_prefix=bool(reuse_prefix))
-    events = stream_events(ctx.model, ((token, False) for token in ids), stop, result, close=ids.close)
+                          reuse_prefix=bool(reuse_prefix), rules=rules)
+    events = stream_events(ctx.model, ((token, False, logprob) for token, logprob in ids), stop, result,
+                           close=ids.close)
     if stream:
         return events
     for _ in events:
@@ -283,16 +338,19 @@ def sampling_params(temperature, top_k, top_p, seed) -> SamplingParams:
                           seed=checks.optional_integer("seed", seed))
 
 
-def stream_events(model, tokens: Iterator[tuple[int, bool]], stop: list[str], result: GenerationResult,
-                  close) -> Iterator[TokenEvent]:
-    """TokenEvents for (token, from_draft) pairs, filling ``result`` as they go; a completed stop string
-    ends the generation (``close`` stops the producer). The last event (token -1) carries the stop reason."""
+def stream_events(model, tokens: Iterator[tuple[int, bool, TokenLogprob | None]], stop: list[str],
+                  result: GenerationResult, close) -> Iterator[TokenEvent]:
+    """TokenEvents for (token, from_draft, logprob) triples, filling ``result`` as they go (its ``logprobs`` too
+    when it has a list); a completed stop string ends the generation (``close`` stops the producer). The last
+    event (token -1) carries the stop reason."""
     text = TextStream(model, stop)
     try:
-        for token, from_draft in tokens:
+        for token, from_draft, logprob in tokens:
             result.tokens.append(token)
+            if result.logprobs is not None:
+                result.logprobs.append(logprob)
             piece = text.add(token)
-            yield TokenEvent(token=token, text=piece, from_draft=from_draft)
+            yield TokenEvent(token=token, text=piece, from_draft=from_draft, logprob=logprob)
             if text.stopped:
                 result.stats.stop_reason = "stop"
                 break

@@ -292,14 +292,15 @@ class Model(Owned):
         return None if ptr == ffi.NULL else ffi.string(ptr).decode("utf-8", "replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_assistant: bool = True,
-                            template: str | None = None) -> str:
+                            template: str | None = None, tools: Sequence[Mapping] | None = None) -> str:
         """Format chat messages ({"role", "content"}) with the model's (or the given) template.
 
         A Jinja template (what Hugging Face models store) is rendered as transformers renders it
         (``pyllama_dspark.chat``): its default system prompt and everything else it writes included.
         A llama.cpp template name ("chatml", "llama3", ...) goes through llama.cpp's formatter. A
         leading BOS the template writes is left out when the tokenizer adds one itself, so the text
-        tokenizes (``add_special=True``) to exactly one BOS.
+        tokenizes (``add_special=True``) to exactly one BOS. ``tools`` (OpenAI's tool objects) go to a Jinja
+        template's ``tools`` variable (``renders_tools`` says whether the template uses it).
 
         Raises:
             ValueError: no template; ChatTemplateError (a ValueError): the template failed to render;
@@ -311,7 +312,7 @@ class Model(Owned):
         if chat_templates.is_jinja(tmpl):
             bos, eos = self._special_text("bos"), self._special_text("eos")
             text = chat_templates.render(tmpl, messages, add_generation_prompt=add_assistant, bos_token=bos,
-                                         eos_token=eos)
+                                         eos_token=eos, tools=list(tools) if tools else None)
             if bos and text.startswith(bos) and lib.llama_vocab_get_add_bos(self._live_vocab()):
                 text = text[len(bos):]
             return text
@@ -333,6 +334,12 @@ class Model(Owned):
                 return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
             size = n
         raise ValueError("chat template output size kept changing")  # pragma: no cover
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template is a Jinja template that reads ``tools``."""
+        tmpl = self.chat_template
+        return bool(tmpl) and chat_templates.is_jinja(tmpl) and "tools" in tmpl
 
     # --- helpers -----------------------------------------------------------------------
     def _live_vocab(self):

@@ -39,8 +39,9 @@ from .context import Context
 from .draft_length import CostTable, DraftLengthChooser, SourceChooser
 from .drafter import Draft, Drafter
 from .errors import MemoryOpError
-from .generate import GenerationResult, prompt_tokens, sampling_params, stream_events
+from .generate import GenerationResult, OutputRules, output_options, prompt_tokens, sampling_params, stream_events
 from .hybrid import source_name
+from .logprobs import TokenLogprob
 from .sampling import Sampler, probabilities
 from .stats import SpecStats
 from .verify import accept_greedy, accept_stochastic
@@ -49,7 +50,8 @@ from .verify import accept_greedy, accept_stochastic
 @dataclass
 class Step:
     """One round: the committed tokens (accepted drafts, then the target's token); ``source`` names what drafted
-    them ("dspark", "lookup", ...; "" for a plain step, which verified no draft)."""
+    them ("dspark", "lookup", ...; "" for a plain step, which verified no draft); ``logprobs`` one per token when
+    the run was asked for them (``OutputRules``), else None."""
 
     tokens: list[int]
     n_draft: int
@@ -58,6 +60,7 @@ class Step:
     t_draft: float = 0.0
     t_verify: float = 0.0
     source: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
 
 SpecResult = GenerationResult  # the name speculative results had before plain and speculative shared one type
@@ -176,13 +179,16 @@ class Speculator:
 
     # --- the loop ---------------------------------------------------------------------
     def run(self, tokens: np.ndarray, *, max_tokens: int, sampler: Sampler | None = None,
-            stop_at_eog: bool = True, stats: SpecStats | None = None, reuse_prefix: bool = False) -> Iterator[Step]:
+            stop_at_eog: bool = True, stats: SpecStats | None = None, reuse_prefix: bool = False,
+            rules: OutputRules | None = None) -> Iterator[Step]:
         """Yield one Step per round until max_tokens, an end-of-generation token or a full context.
 
         The first Step carries the token sampled from the prompt's logits (n_draft 0). The target's
         and the drafter's memories are cleared first, or with ``reuse_prefix`` trimmed to the prefix the
         prompt shares with this Speculator's last generation (nothing else may have used the context in
-        between). ``stats`` (if given) is filled as it goes.
+        between). ``stats`` (if given) is filled as it goes. ``rules``: a grammar every committed token meets
+        (drafts are cut before the first token it refuses, each verify row is masked with the grammar's state
+        after the tokens before it) and logprobs from the verify rows (``OutputRules``; one per run).
         """
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -190,34 +196,38 @@ class Speculator:
         stats = stats if stats is not None else SpecStats()
         stats.n_prompt = len(tokens)
         ctx = self.target
+        rules = rules if rules is not None else OutputRules(ctx.model)
         if max_tokens == 0:
             return
         with ctx.generation("speculative generation"):  # ContextBusyError if another generation runs on ctx
-            yield from self._run_owned(tokens, max_tokens, sampler, stop_at_eog, stats, reuse_prefix)
+            yield from self._run_owned(tokens, max_tokens, sampler, stop_at_eog, stats, reuse_prefix, rules)
 
     def _run_owned(self, tokens: np.ndarray, max_tokens: int, sampler: Sampler, stop_at_eog: bool,
-                   stats: SpecStats, reuse_prefix: bool) -> Iterator[Step]:
+                   stats: SpecStats, reuse_prefix: bool, rules: OutputRules) -> Iterator[Step]:
         ctx, n_ctx = self.target, self.target.n_ctx_seq
         keep = ctx._reusable_prefix(self, tokens) if reuse_prefix else 0
         ctx._forget()
         stats.n_reused = keep
         t0 = time.perf_counter()
-        anchor = self._prefill(tokens, sampler, keep)
+        anchor, logprob = self._prefill(tokens, sampler, rules, keep)
         stats.t_prefill = time.perf_counter() - t0
         pos, n_left = len(tokens), max_tokens
         in_memory = [int(t) for t in tokens]  # what the target's memory holds, for the next reuse_prefix
         clean = False
         t0 = time.perf_counter()
         try:
-            step = Step(tokens=[anchor], n_draft=0, n_accept=0, from_draft=[False])
+            step = Step(tokens=[anchor], n_draft=0, n_accept=0, from_draft=[False],
+                        logprobs=None if rules.n_logprobs is None else [logprob])
             while True:
                 step.tokens = step.tokens[:n_left]
                 n_left -= len(step.tokens)
                 stats.n_generated += len(step.tokens)
-                eog = stop_at_eog and any(ctx.model.is_eog(t) for t in step.tokens)
+                eog = any(rules.ends(t, stop_at_eog) for t in step.tokens)
                 if eog:
-                    cut = next(i for i, t in enumerate(step.tokens) if ctx.model.is_eog(t))
+                    cut = next(i for i, t in enumerate(step.tokens) if rules.ends(t, stop_at_eog))
                     step.tokens, step.from_draft = step.tokens[:cut + 1], step.from_draft[:cut + 1]
+                if step.logprobs is not None:
+                    del step.logprobs[len(step.tokens):]
                 try:
                     yield step
                 except GeneratorExit:  # the consumer stopped between rounds: the memory is consistent
@@ -228,7 +238,7 @@ class Speculator:
                     clean = True
                     return
                 n_max = min(self.n_draft, n_ctx - pos - 1, n_left - 1)
-                step = self._round(anchor, pos, n_max, sampler, stats)
+                step = self._round(anchor, pos, n_max, sampler, stats, rules)
                 in_memory += [anchor] + step.tokens[:-1]  # the anchor and the accepted drafts were kept
                 pos += len(step.tokens)
                 anchor = step.tokens[-1]
@@ -250,9 +260,10 @@ class Speculator:
             del in_memory[shown:]
         ctx._remember(self, np.asarray(in_memory))
 
-    def _prefill(self, tokens: np.ndarray, sampler: Sampler, keep: int = 0) -> int:
+    def _prefill(self, tokens: np.ndarray, sampler: Sampler, rules: OutputRules,
+                 keep: int = 0) -> tuple[int, TokenLogprob | None]:
         """Decode the prompt from position ``keep`` (dense capture, logits on the last row), feed the drafter
-        the same rows (it drops what it held from ``keep`` on), sample token 1."""
+        the same rows (it drops what it held from ``keep`` on), choose token 1 (and its logprob)."""
         ctx, drafter = self.target, self.drafter
         if keep:
             ctx.seq_rm(0, keep, -1)
@@ -267,14 +278,15 @@ class Speculator:
             chunk = tokens[start:start + step]
             self._decode_chunk(chunk, start, last=start + step >= len(tokens))
             drafter.observe(chunk, ctx.capture().copy() if layers else None, start)
-        return sampler(ctx.logits(-1))
+        return rules.choose(ctx.logits(-1), sampler)
 
     def _decode_chunk(self, chunk: np.ndarray, pos0: int, *, last: bool) -> None:
         self._batch.clear()
         self._batch.add_tokens(chunk, pos0, logits="last" if last else "none")
         self.target.decode(self._batch)
 
-    def _round(self, anchor: int, pos: int, n_max: int, sampler: Sampler, stats: SpecStats) -> Step:
+    def _round(self, anchor: int, pos: int, n_max: int, sampler: Sampler, stats: SpecStats,
+               rules: OutputRules) -> Step:
         ctx, drafter = self.target, self.drafter
         t0 = time.perf_counter()
         source, k_planned, draft, offers = self._draft(anchor, pos, n_max, sampler)
@@ -283,15 +295,22 @@ class Speculator:
         t1 = time.perf_counter()
         if self.source_chooser is not None and n_drafted:
             drafts = drafts[: self.source_chooser.choosers[source].cut(draft.confidence, n_drafted, t1 - t0)]
+        refused = None  # the draft token the grammar refused, cut with what follows it
+        if rules.guide is not None and len(drafts):
+            n_valid = rules.guide.valid_prefix(drafts)
+            if n_valid < len(drafts):
+                stats.n_draft_invalid += len(drafts) - n_valid
+                refused, drafts = int(drafts[n_valid]), drafts[:n_valid]
         if len(drafts) < self.n_draft_min:
-            drafts = drafts[:0]
+            drafts, refused = drafts[:0], None
         # verify: [anchor, d0..dk-1], every row's logits; row i predicts the token after row i's token
         k = len(drafts)
         self._batch.clear()
         self._batch.add_tokens(np.concatenate([[anchor], drafts]), pos, logits="all")
         ctx.decode(self._batch)
         rows = ctx.all_logits()
-        n, token = self._accept(drafts, draft, rows, sampler)
+        allowed_rows = rules.guide.mask_rows(rows, drafts) if rules.guide is not None else rows
+        n, token = self._accept(drafts, draft, allowed_rows, sampler, refused)
         # commit: drop the rejected cells, then give the drafter the committed rows' features
         if n < k:
             ctx.seq_rm(0, pos + n + 1, -1)
@@ -299,6 +318,10 @@ class Speculator:
         drafter.observe(np.concatenate([[anchor], drafts[:n]]).astype(np.int32), features, pos)
         t2 = time.perf_counter()
         committed = [int(t) for t in drafts[:n]] + [token]
+        if rules.guide is not None:
+            rules.guide.advance(committed)
+        logprobs = (None if rules.n_logprobs is None
+                    else [rules.logprob(rows[i], t) for i, t in enumerate(committed)])
         stats.observe_round(k, n, source=source if n_drafted else "", t_draft=t1 - t0)
         stats.t_verify += t2 - t1
         if self.source_chooser is not None:
@@ -309,7 +332,7 @@ class Speculator:
         else:
             self._fixed_costs.observe(k, t1 - t0, t2 - t1, k_drafted=n_drafted)
         return Step(tokens=committed, n_draft=k, n_accept=n, from_draft=[True] * n + [False],
-                    t_draft=t1 - t0, t_verify=t2 - t1, source=source if k else "")
+                    t_draft=t1 - t0, t_verify=t2 - t1, source=source if k else "", logprobs=logprobs)
 
     def _draft(self, anchor: int, pos: int, n_max: int, sampler: Sampler) -> tuple[str, int, Draft, dict]:
         """This round's proposal: (its source, the most of its tokens to verify, the Draft, the free proposals
@@ -339,10 +362,18 @@ class Speculator:
         return source, k, draft, offers
 
     @staticmethod
-    def _accept(drafts: np.ndarray, draft: Draft, rows: np.ndarray, sampler: Sampler) -> tuple[int, int]:
+    def _accept(drafts: np.ndarray, draft: Draft, rows: np.ndarray, sampler: Sampler,
+                refused: int | None = None) -> tuple[int, int]:
+        """(accepted drafts, the target's token). ``refused``: a draft token cut after ``drafts`` because the
+        grammar refuses it (p = 0 there). Rejection sampling still judges it, so that the token at its row comes
+        from the residual norm(max(0, p - q)) as it would had the draft been verified: drawing from p there
+        instead would skew the output towards what the drafter proposes."""
         if sampler.params.greedy:
             return accept_greedy(drafts, np.argmax(rows, axis=1))
         p = np.stack([probabilities(row, sampler.params) for row in rows])
+        if refused is not None:
+            drafts = np.append(drafts, refused).astype(drafts.dtype)
+            p = np.concatenate([p, np.zeros_like(p[:1])])  # the bonus row past a refused token is never reached
         q = draft.probs if draft.probs is not None else _greedy_q(drafts, rows.shape[1])
         return accept_stochastic(drafts, q[: len(drafts)], p, sampler.rng.random, sampler.draw)
 
@@ -350,7 +381,7 @@ class Speculator:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, stop_at_eog: bool = True, add_special: bool = True,
-                 reuse_prefix: bool = False):
+                 reuse_prefix: bool = False, grammar=None, logprobs: int | None = None):
         """Generate with speculative decoding; temperature 0 reproduces plain greedy decoding exactly.
 
         Args:
@@ -362,6 +393,8 @@ class Speculator:
             stream: return an iterator of TokenEvent (with ``from_draft``) as tokens are committed.
             reuse_prefix: keep the target's and the drafter's memory of the prefix this prompt shares with
                 this Speculator's last generation (see ``pyllama_dspark.generate``).
+            grammar, logprobs: structured output and log-probabilities, as ``pyllama_dspark.generate``; the output
+                and the logprobs are plain decoding's (at temperature 0, token for token and bit for bit).
 
         Returns:
             GenerationResult (text, tokens, stop_reason, stats), or an iterator of TokenEvent.
@@ -372,13 +405,18 @@ class Speculator:
         max_tokens = checks.integer("max_tokens", max_tokens, minimum=0)
         stop = checks.stop_strings(stop)
         sampler = Sampler(sampling_params(temperature, top_k, top_p, seed))
+        grammar, logprobs = output_options(grammar, logprobs)
         tokens = prompt_tokens(self.target, prompt, add_special=add_special)
+        rules = OutputRules(self.target.model, grammar, logprobs)
         stats = self.last_stats = SpecStats()  # also readable while streaming
-        result = GenerationResult(text="", tokens=[], stop_reason="max_tokens", stats=stats)
+        result = GenerationResult(text="", tokens=[], stop_reason="max_tokens", stats=stats,
+                                  logprobs=None if logprobs is None else [])
         steps = self.run(tokens, max_tokens=max_tokens, sampler=sampler, stop_at_eog=stop_at_eog, stats=stats,
-                         reuse_prefix=bool(reuse_prefix))
-        pairs = ((token, drafted) for step in steps for token, drafted in zip(step.tokens, step.from_draft))
-        events = stream_events(self.target.model, pairs, stop, result, close=steps.close)
+                         reuse_prefix=bool(reuse_prefix), rules=rules)
+        triples = ((token, drafted, logprob) for step in steps
+                   for token, drafted, logprob in zip(step.tokens, step.from_draft,
+                                                      step.logprobs or [None] * len(step.tokens)))
+        events = stream_events(self.target.model, triples, stop, result, close=steps.close)
         if stream:
             return events
         for _ in events:

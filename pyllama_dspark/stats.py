@@ -80,6 +80,7 @@ class SpecStats(DraftCounts):
     t_verify: float = 0.0
     stop_reason: str = ""
     n_reused: int = 0  # prompt tokens whose memory a previous generation left (reuse_prefix)
+    n_draft_invalid: int = 0  # drafted tokens cut because the grammar refused them or a token before them
     by_source: dict[str, DraftCounts] = field(default_factory=dict)  # in the order the sources first drafted
 
     def observe_round(self, n_drafted: int, n_accepted: int, *, source: str = "", t_draft: float = 0.0) -> None:
@@ -121,6 +122,7 @@ class SpecStats(DraftCounts):
             ("n_drafted", self.drafted), ("n_accepted", self.accepted),
             ("accept", f"{100 * self.accept_rate:.3f}%"), ("tau", f"{self.tau:.3f}"),
             ("per_position", " ".join(f"{r:.2f}" for r in self.per_position_rate)),
+            *((("draft_invalid", self.n_draft_invalid),) if self.n_draft_invalid else ()),
             *((f"by {name}", share.summary()) for name, share in self.by_source.items()),
             ("t_prefill", f"{self.t_prefill:.3f} s"), ("t_decode", f"{self.t_decode:.3f} s"),
             ("t_draft", f"{self.t_draft:.3f} s"), ("t_verify", f"{self.t_verify:.3f} s"),
@@ -136,6 +138,7 @@ class SpecStats(DraftCounts):
             "rounds": self.rounds,
             "plain_steps": self.plain_steps,
             "drafted": self.drafted, "accepted": self.accepted, "accept_rate": self.accept_rate, "tau": self.tau,
+            "draft_invalid": self.n_draft_invalid,
             "accepted_per_pos": list(self.accepted_per_pos), "reached_per_pos": list(self.reached_per_pos),
             "t_prefill": self.t_prefill, "t_decode": self.t_decode, "decode_tok_s": self.decode_tok_s,
             "by_source": {name: share.as_dict() for name, share in self.by_source.items()},

@@ -28,6 +28,7 @@ class Result:
     n_prompt: int
     finish_reason: str
     stats: Stats = field(default_factory=Stats)
+    logprobs: list | None = None
 
 
 @dataclass
@@ -35,6 +36,7 @@ class Event:
     text: str
     stop_reason: str | None = None
     finish_reason: str | None = None
+    logprob: object = None
 
 
 HEAD = {"id": "cmpl-x", "created": 7, "model": "m.gguf"}

@@ -80,7 +80,7 @@ def test_every_knob_is_taken_as_given():
             req.include_usage) == ("m", 7, 0.5, 0.25, 3, ["END"], 11, True, True)
     assert type(req.temperature) is float and type(req.top_p) is float
     assert req.sampling(5) == {"max_tokens": 5, "temperature": 0.5, "top_p": 0.25, "top_k": 3, "stop": ["END"],
-                               "seed": 11}
+                               "seed": 11, "grammar": None, "logprobs": None}
     integral = parse_completion(text_body(temperature=1, top_p=1, seed=3.0, max_tokens=2.0), chat=False)
     assert (integral.temperature, integral.top_p, integral.seed, integral.max_tokens) == (1.0, 1.0, 3, 2)
     assert type(integral.temperature) is float and type(integral.seed) is int and type(integral.max_tokens) is int
@@ -178,16 +178,12 @@ UNSUPPORTED = [  # (chat, field, value, message, param)
     (True, "n", 2, "n = 2 is not supported: this server returns one choice per request", "n"),
     (False, "n", 3, "n = 3 is not supported: this server returns one choice per request", "n"),
     (True, "n", 0, "n must be >= 1, got 0", "n"),
-    (True, "logprobs", True, "logprobs are not supported", "logprobs"),
-    (True, "top_logprobs", 0, "top_logprobs is not supported", "top_logprobs"),
-    (False, "logprobs", 0, "logprobs are not supported", "logprobs"),
-    (True, "tools", [{"type": "function"}], "tools (function calling) are not supported", "tools"),
-    (False, "functions", [{"name": "f"}], "tools (function calling) are not supported", "functions"),
-    (True, "tool_choice", "auto", "tool_choice is not supported", "tool_choice"),
-    (True, "response_format", {"type": "json_object"},
-     "response_format other than {\"type\": \"text\"} is not supported", "response_format"),
-    (False, "response_format", "text", "response_format other than {\"type\": \"text\"} is not supported",
-     "response_format"),
+    (False, "functions", [{"name": "f"}], "the legacy functions / function_call are not supported: use tools and "
+     "tool_choice", "functions"),
+    (True, "function_call", "auto", "the legacy functions / function_call are not supported: use tools and "
+     "tool_choice", "function_call"),
+    (False, "tools", [{"type": "function", "function": {"name": "f"}}], "tools are for /v1/chat/completions",
+     "tools"),
     (True, "presence_penalty", 0.5, "presence_penalty is not supported (only 0)", "presence_penalty"),
     (False, "frequency_penalty", -2, "frequency_penalty is not supported (only 0)", "frequency_penalty"),
     (True, "frequency_penalty", 2.5, "frequency_penalty must be in [-2, 2], got 2.5", "frequency_penalty"),
@@ -204,6 +200,61 @@ UNSUPPORTED = [  # (chat, field, value, message, param)
 def test_fields_it_cannot_honour_are_refused_by_name(chat, name, value, message, param):
     error = refusal((chat_body if chat else text_body)(**{name: value}), chat=chat)
     assert (error.message, error.param) == (message, param)
+
+
+BAD_OUTPUT_FIELDS = [  # (chat, body fields, message fragment, param)
+    (True, dict(logprobs=True, top_logprobs=21), "top_logprobs must be at most 20, got 21", "top_logprobs"),
+    (True, dict(top_logprobs=0), "top_logprobs needs logprobs: true", "top_logprobs"),
+    (True, dict(logprobs=1), "logprobs must be a boolean, got an integer", "logprobs"),
+    (False, dict(logprobs=21), "logprobs must be at most 20, got 21", "logprobs"),
+    (False, dict(logprobs=True), "logprobs must be an integer, got a boolean", "logprobs"),
+    (True, dict(tools=[{"type": "function"}]), "tools[0].function must be an object with a name",
+     "tools[0].function"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name must be",
+     "tools[0].function.name"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]),
+     "Invalid type: strin", "tools[0].function.parameters"),
+    (True, dict(tool_choice="auto"), "tool_choice 'auto' needs tools", "tool_choice"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes"),
+     "tool_choice must be", "tool_choice"),
+    (True, dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+                response_format={"type": "json_object"}), "cannot be combined", "tool_choice"),
+    (True, dict(response_format={"type": "json_object", "json_schema": 5}, grammar="start: /a/"),
+     "give one of response_format, grammar", "grammar"),
+    (True, dict(response_format={"type": "json_schema", "json_schema": {"schema": {"if": {}}}}),
+     "Unimplemented keys", "response_format"),
+    (False, dict(guided_json={"type": "objekt"}), "Invalid type: objekt", "guided_json"),
+    (False, dict(guided_regex=5), "guided_regex must be a string, got an integer", "guided_regex"),
+]
+
+
+@pytest.mark.parametrize("chat, fields, message, param", BAD_OUTPUT_FIELDS)
+def test_bad_structured_output_logprobs_and_tools_are_refused_by_name(chat, fields, message, param):
+    error = refusal((chat_body if chat else text_body)(**fields), chat=chat)
+    assert message in error.message and error.param == param
+
+
+def test_structured_output_logprobs_and_tools_are_parsed():
+    from pyllama_dspark.structured import Grammar
+
+    req = parse_completion(chat_body(logprobs=True, top_logprobs=3, response_format={"type": "json_object"}),
+                           chat=True)
+    assert (req.logprobs, req.grammar) == (3, Grammar.json_object())
+    assert parse_completion(chat_body(logprobs=True), chat=True).logprobs == 0
+    assert parse_completion(text_body(logprobs=2, guided_regex="[ab]+"), chat=False).grammar == Grammar.regex("[ab]+")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    auto = parse_completion(chat_body(tools=[tool]), chat=True)
+    assert (auto.tool_choice, [t.name for t in auto.tools], auto.grammar) == ("auto", ["f"], None)
+    forced = parse_completion(chat_body(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
+                              chat=True)
+    assert forced.tool_choice == "f" and forced.grammar is not None and forced.grammar.kind == "lark"
+    off = parse_completion(chat_body(tools=[tool], tool_choice="none"), chat=True)
+    assert off.tools == [] and off.grammar is None
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    req = parse_completion(chat_body(messages=[{"role": "user", "content": "x"},
+                                               {"role": "assistant", "content": None, "tool_calls": calls},
+                                               {"role": "tool", "content": "42", "tool_call_id": "c1"}]), chat=True)
+    assert req.messages[1] == {"role": "assistant", "content": "", "tool_calls": calls}
 
 
 def test_the_neutral_values_of_unsupported_fields_are_accepted():
@@ -286,6 +337,7 @@ class Result:
     n_prompt: int = 10
     finish_reason: str = "stop"
     stats: Stats = None
+    logprobs: list | None = None
 
 
 TIMINGS = {"cache_n": 5, "prompt_n": 5, "prompt_ms": 250.0, "prompt_per_token_ms": 50.0, "prompt_per_second": 20.0,

@@ -121,8 +121,8 @@ def test_readme_server_examples_run(workdir):
     import time
 
     blocks = re.findall(r"^```(sh|python)\n(.*?)^```", SERVER_SECTION, flags=re.M | re.S)
-    (serve,), (curl,), (python,) = ([line for line in code.splitlines() if line.strip()] if kind == "sh" else [code]
-                                    for kind, code in blocks)
+    (serve,), (curl,), (python,), (structured,) = (
+        [line for line in code.splitlines() if line.strip()] if kind == "sh" else [code] for kind, code in blocks)
     assert serve.startswith("pyllama-dspark serve ") and "8080" in serve and curl.startswith("curl ")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -144,6 +144,10 @@ def test_readme_server_examples_run(workdir):
                                  capture_output=True, text=True, timeout=120)
         assert example.returncode == 0, example.stderr[-3000:]
         assert "draft_n" in example.stdout and "total_tokens" in example.stdout
+        example = subprocess.run([sys.executable, "-c", structured.replace("8080", port)], cwd=workdir,
+                                 capture_output=True, text=True, timeout=120)
+        assert example.returncode == 0, example.stderr[-3000:]
+        assert "get_weather" in example.stdout and "tool_calls" in example.stdout
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -319,9 +319,24 @@ def test_bad_requests_are_4xx_in_openai_shape_never_500(keyed_server):
         (dict(temperature="hot"), "temperature"),
         (dict(max_tokens="8"), "max_tokens"),
         (dict(n=2), "n"),
-        (dict(logprobs=True), "logprobs"),
-        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+        (dict(top_logprobs=2), "top_logprobs"),  # without logprobs
+        (dict(logprobs="yes"), "logprobs"),
+        (dict(tools=[{"type": "function", "function": {"parameters": {}}}]), "tools[0].function.name"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}]),
+         "tools[0].function.parameters"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}],
+              tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
+        (dict(tool_choice="required"), "tool_choice"),  # without tools
+        (dict(functions=[{"name": "f"}]), "functions"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}),
+         "response_format"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"if": {}}}}),
+         "response_format"),  # a keyword the grammar engine does not implement
+        (dict(response_format={"type": "yaml"}), "response_format"),
+        (dict(guided_regex="a(b"), "guided_regex"),
+        (dict(grammar="start: 'a'"), "grammar"),
+        (dict(grammar="start: /a/", guided_regex="a"), "guided_regex"),
         (dict(stop=[1, 2]), "stop"),
         (dict(top_p=0), "top_p"),
     ]

@@ -12,7 +12,7 @@ from pyllama_dspark.stats import DraftCounts, SpecStats
 def made_up() -> SpecStats:
     """Three verify rounds from two sources and one plain step; times in exact binary fractions."""
     stats = SpecStats(n_prompt=7, n_reused=3, n_generated=40, t_prefill=0.5, t_decode=2.0, t_verify=1.25,
-                      stop_reason="length")
+                      stop_reason="length", n_draft_invalid=2)
     stats.observe_round(4, 2, source="dspark", t_draft=0.25)
     stats.observe_round(3, 3, source="lookup", t_draft=0.125)
     stats.observe_round(2, 0, source="dspark", t_draft=0.0625)
@@ -60,6 +60,7 @@ def test_format_prints_every_figure():
         "accept        = 55.556%",
         "tau           = 2.667",
         "per_position  = 0.67 1.00 0.50 0.00",
+        "draft_invalid = 2",
         "by dspark     = rounds 2, drafted 6, accepted 2, accept 33.333%, tau 2.000, per_position 0.50 1.00 0.00 "
         "0.00, t_draft 0.344 s",
         "by lookup     = rounds 1, drafted 3, accepted 3, accept 100.000%, tau 4.000, per_position 1.00 1.00 1.00, "
@@ -76,7 +77,7 @@ def test_format_prints_every_figure():
 def test_as_dict_has_every_figure():
     assert made_up().as_dict() == {
         "n_prompt": 7, "n_reused": 3, "n_generated": 40, "rounds": 3, "plain_steps": 1,
-        "drafted": 9, "accepted": 5, "accept_rate": 5 / 9, "tau": 5 / 3 + 1,
+        "drafted": 9, "accepted": 5, "accept_rate": 5 / 9, "tau": 5 / 3 + 1, "draft_invalid": 2,
         "accepted_per_pos": [2, 2, 1, 0], "reached_per_pos": [3, 2, 2, 0],
         "t_prefill": 0.5, "t_decode": 2.0, "decode_tok_s": 20.0,
         "by_source": {

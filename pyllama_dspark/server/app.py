@@ -34,6 +34,7 @@ from starlette.requests import ClientDisconnect
 
 from ..chat import ChatTemplateError
 from ..errors import LlamaError
+from ..tools import prompt_messages
 from .engine import Engine, EngineUnavailableError, Job, QueueFullError
 from .metrics import prometheus_text
 from .protocol import APIError, CompletionRequest, ResponseShape, bad_request, parse_completion, parse_json, sse
@@ -136,7 +137,7 @@ def create_app(engine: Engine, config: ServerConfig) -> Starlette:
         raw = await read_body(request, llm)
         if raw is None:
             return Response(status_code=499)  # nobody reads it: the client is gone
-        req = parse_completion(parse_json(raw), chat=chat)
+        req = await asyncio.to_thread(parse_completion, parse_json(raw), chat=chat)  # compiles grammars
         if req.model is not None and req.model not in config.model_names:
             raise APIError(404, f"model {req.model!r} not found: this server serves {config.model_id!r}",
                            param="model", code="model_not_found")
@@ -150,7 +151,8 @@ def create_app(engine: Engine, config: ServerConfig) -> Starlette:
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         except EngineUnavailableError as exc:
             raise APIError(503, str(exc), type="unavailable_error", headers={"Retry-After": RETRY_AFTER_S}) from None
-        shape = ResponseShape(req, config.model_id, speculative=llm.speculator is not None)
+        shape = ResponseShape(req, config.model_id, speculative=llm.speculator is not None,
+                              piece=llm.model.token_to_piece)
         disconnect = asyncio.ensure_future(_wait_disconnect(request.receive))
         try:
             first = await _next_item(job, disconnect)
@@ -230,7 +232,9 @@ def _prompt_tokens(llm, req: CompletionRequest) -> list[int]:
     model = llm.model
     if req.chat:
         try:
-            text = model.apply_chat_template(req.messages)
+            messages = prompt_messages(req.messages, req.tools, req.tool_choice,
+                                       template_renders_tools=model.renders_tools)
+            text = model.apply_chat_template(messages, tools=[t.as_openai() for t in req.tools] or None)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
     else:
@@ -273,15 +277,15 @@ class EventStream:
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                     (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]})
             out = [sse(shape.chunk(None, role=True))] if self.req.chat else []
+            writer = shape.writer()
             item = self.first
             while True:
                 if isinstance(item, BaseException):
                     out.append(sse(_engine_error(item).body(), event="error"))
                     break
-                if item.text:
-                    out.append(sse(shape.chunk(item.text)))
+                out.extend(sse(chunk) for chunk in writer.feed(item))
                 if item.result is not None:
-                    out.append(sse(shape.final_chunk(item.result)))
+                    out.append(sse(shape.final_chunk(item.result, writer.finish_reason)))
                     if self.req.include_usage:
                         out.append(sse(shape.usage_chunk(item.result)))
                     out.append(sse("[DONE]"))

@@ -25,7 +25,7 @@ import numpy as np
 from .. import checks
 from ..batching import MAX_EXACT_ROWS, BatchRequest
 from ..context import CancelToken
-from ..generate import TokenEvent, sampling_params
+from ..generate import OutputRules, TokenEvent, output_options, sampling_params
 from ..sampling import Sampler
 
 
@@ -43,7 +43,8 @@ class Job:
 
     Attributes:
         prompt: token ids (already checked against the context size).
-        sampling: keyword arguments of ``LLM.stream`` (max_tokens, temperature, top_p, top_k, stop, seed).
+        sampling: keyword arguments of ``LLM.stream`` (max_tokens, temperature, top_p, top_k, stop, seed,
+            grammar, logprobs).
         cancel: cancelled by the HTTP layer when the client disconnects, and by shutdown.
     """
 
@@ -250,7 +251,7 @@ class Engine:
                         self.counters.requests_cancelled += 1
                         continue
                     try:
-                        jobs[scheduler.submit(_batch_request(job))] = job
+                        jobs[scheduler.submit(_batch_request(job, self.llm.model))] = job
                     except (TypeError, ValueError) as exc:
                         job.post(exc)
                         continue
@@ -295,8 +296,10 @@ class Engine:
         scheduler.reset()
 
 
-def _batch_request(job: Job) -> BatchRequest:
+def _batch_request(job: Job, model) -> BatchRequest:
     knobs = job.sampling
     params = sampling_params(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"])
+    grammar, logprobs = output_options(knobs.get("grammar"), knobs.get("logprobs"))
+    rules = OutputRules(model, grammar, logprobs) if grammar is not None or logprobs is not None else None
     return BatchRequest(np.asarray(job.prompt, dtype=np.int64), checks.integer("max_tokens", knobs["max_tokens"]),
-                        Sampler(params), checks.stop_strings(knobs["stop"]), cancel=job.cancel)
+                        Sampler(params), checks.stop_strings(knobs["stop"]), cancel=job.cancel, rules=rules)

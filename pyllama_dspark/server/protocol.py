@@ -3,8 +3,13 @@ the response and chunk dicts (with llama-server's ``timings`` and our ``speculat
 
 A bad request is an ``APIError`` with a 4xx status, never a 500: the official client retries 5xx responses and
 would send the same bad request again. Fields this server does not know are ignored; fields it knows but cannot
-honour yet (``n`` > 1, ``logprobs``, ``tools``, a ``response_format`` other than text, penalties, ``logit_bias``)
-are refused with a 400 that names them, never dropped silently.
+honour (``n`` > 1, penalties, ``logit_bias``, legacy ``functions``) are refused with a 400 that names them, never
+dropped silently.
+
+Structured output: ``response_format`` (OpenAI's), ``grammar`` (llama-server's: Lark or GBNF text), or vLLM's
+``guided_json`` / ``guided_regex`` / ``guided_grammar``, one of them. Logprobs: chat's ``logprobs`` and
+``top_logprobs`` (0..20), the completions API's ``logprobs`` (0..20). Tools: ``tools`` and ``tool_choice`` on chat
+(``pyllama_dspark.tools``).
 """
 
 from __future__ import annotations
@@ -15,7 +20,11 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from ..completions import chunk_object, completion, completion_chunk, completion_head, usage
+from ..completions import ChunkWriter, chunk_object, completion, completion_chunk, completion_head, usage
+from ..errors import GrammarError
+from ..logprobs import MAX_TOP_LOGPROBS
+from ..structured import Grammar
+from ..tools import Tool, ToolError, call_grammar, check_tool_choice, check_tools
 
 
 class APIError(Exception):
@@ -51,11 +60,15 @@ class CompletionRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    grammar: Grammar | None = None  # from response_format, grammar, guided_*, or a forced tool call
+    logprobs: int | None = None  # alternatives per token (None: no logprobs)
+    tools: list[Tool] = field(default_factory=list)  # offered to the model (none under tool_choice "none")
+    tool_choice: str = "none"
 
     def sampling(self, max_tokens: int) -> dict:
         """Keyword arguments of ``LLM.stream``."""
         return dict(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                    stop=self.stop, seed=self.seed)
+                    stop=self.stop, seed=self.seed, grammar=self.grammar, logprobs=self.logprobs)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -100,28 +113,75 @@ def parse_completion(body: dict, *, chat: bool) -> CompletionRequest:
         if include is not None and not isinstance(include, bool):
             raise bad_request("stream_options.include_usage must be a boolean", "stream_options.include_usage")
         req.include_usage = bool(include)
+    req.logprobs = _logprobs(body, chat=chat)
+    req.grammar = _grammar(body)
+    if chat:
+        _tools(body, req)
     return req
+
+
+def _logprobs(body: dict, *, chat: bool) -> int | None:
+    if not chat:  # the completions API: logprobs is the number of alternatives
+        n = _optional_int(body, "logprobs", minimum=0)
+        if n is not None and n > MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}", "logprobs")
+        return n
+    wanted = _optional(body, "logprobs", bool)
+    top = _optional_int(body, "top_logprobs", minimum=0)
+    if top is not None and top > MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+_GRAMMAR_FIELDS = ("response_format", "grammar", "guided_json", "guided_regex", "guided_grammar")
+
+
+def _grammar(body: dict) -> Grammar | None:
+    given = [name for name in _GRAMMAR_FIELDS if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad_request(f"give one of {', '.join(given)}: each one sets the output's grammar", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    try:
+        if name == "response_format":
+            return Grammar.from_response_format(value)
+        if name == "guided_json":
+            return Grammar.json_schema(value)
+        if not isinstance(value, str):
+            raise bad_request(f"{name} must be a string, got {_json_type(value)}", name)
+        return Grammar.regex(value) if name == "guided_regex" else Grammar.lark(value)
+    except GrammarError as exc:
+        raise bad_request(f"{name}: {exc}", name) from None
+
+
+def _tools(body: dict, req: CompletionRequest) -> None:
+    try:
+        tools = check_tools(body["tools"]) if body.get("tools") else []  # [] as none, as llama-server
+        choice = check_tool_choice(body.get("tool_choice"), tools)
+    except ToolError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    forced = call_grammar(tools, choice)
+    if forced is not None:
+        if req.grammar is not None:
+            raise bad_request(f"tool_choice {choice!r} constrains the reply to a tool call: it cannot be combined "
+                              "with a response_format or grammar", "tool_choice")
+        req.grammar = forced
+    req.tool_choice = choice
+    req.tools = tools if choice != "none" else []
 
 
 def _refuse_unsupported(body: dict, *, chat: bool) -> None:
     n = _optional_int(body, "n", minimum=1)
     if n is not None and n != 1:
         raise bad_request(f"n = {n} is not supported: this server returns one choice per request", "n")
-    logprobs = body.get("logprobs")
-    if chat:
-        if logprobs not in (None, False):
-            raise bad_request("logprobs are not supported", "logprobs")
-        if body.get("top_logprobs") is not None:
-            raise bad_request("top_logprobs is not supported", "top_logprobs")
-    elif logprobs is not None:
-        raise bad_request("logprobs are not supported", "logprobs")
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tools (function calling) are not supported", "tools" if body.get("tools") else "functions")
-    if body.get("tool_choice") not in (None, "none"):
-        raise bad_request("tool_choice is not supported", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise bad_request("response_format other than {\"type\": \"text\"} is not supported", "response_format")
+    if body.get("functions") or body.get("function_call"):
+        raise bad_request("the legacy functions / function_call are not supported: use tools and tool_choice",
+                          "functions" if body.get("functions") else "function_call")
+    if not chat and (body.get("tools") or body.get("tool_choice") not in (None, "none")):
+        raise bad_request("tools are for /v1/chat/completions", "tools")
     for name in ("presence_penalty", "frequency_penalty"):
         value = _optional_number(body, name, -2.0, 2.0)
         if value:
@@ -156,9 +216,14 @@ def _messages(body: dict) -> list[dict]:
                                       f"); images and audio are not supported", f"{where}.content")
                 texts.append(part["text"])
             content = "".join(texts)
+        calls = message.get("tool_calls")
+        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)):
+            raise bad_request(f"{where}.tool_calls must be an array, on an assistant message", f"{where}.tool_calls")
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise bad_request(f"{where}.content must be a string or an array of text parts", f"{where}.content")
-        out.append({"role": message["role"], "content": content})
+        out.append({"role": message["role"], "content": content, **({"tool_calls": calls} if calls else {})})
     return out
 
 
@@ -233,22 +298,28 @@ class ResponseShape:
     """Builds one request's response or chunks (``completions.py``'s, with ``timings``): one id and creation time
     for all of them, the object names, usage and statistics."""
 
-    def __init__(self, req: CompletionRequest, model_id: str, *, speculative: bool):
-        self.req, self.speculative = req, speculative
+    def __init__(self, req: CompletionRequest, model_id: str, *, speculative: bool, piece=None):
+        self.req, self.speculative, self.piece = req, speculative, piece
         self.head = completion_head(chat=req.chat, model_name=model_id)
 
     def completion(self, result) -> dict:
         """The non-streaming response for a ``GenerationResult``."""
-        return {**completion(result, self.head, chat=self.req.chat, speculative=False), **self.extras(result)}
+        return {**completion(result, self.head, chat=self.req.chat, speculative=False, piece=self.piece,
+                             tools=self.req.tools), **self.extras(result)}
+
+    def writer(self) -> ChunkWriter:
+        """The stream's text chunks, with logprobs and tool calls (``completions.ChunkWriter``)."""
+        return ChunkWriter(self.head, chat=self.req.chat, piece=self.piece, tools=self.req.tools)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
         """A stream chunk; ``role``: chat's opening one, ``{"role": "assistant", "content": ""}`` as OpenAI sends."""
         return completion_chunk(self.head, text, finish_reason, chat=self.req.chat,
                                 opening={"role": "assistant", "content": ""} if role else None)
 
-    def final_chunk(self, result) -> dict:
-        """The chunk with the finish reason; it also carries ``timings`` (and ``speculative``)."""
-        return {**self.chunk(None, result.finish_reason), **self.extras(result)}
+    def final_chunk(self, result, finish_reason: str | None = None) -> dict:
+        """The chunk with the finish reason (the result's, or the writer's "tool_calls"); it also carries
+        ``timings`` (and ``speculative``)."""
+        return {**self.chunk(None, finish_reason or result.finish_reason), **self.extras(result)}
 
     def usage_chunk(self, result) -> dict:
         """``stream_options.include_usage``: no choices, the usage."""

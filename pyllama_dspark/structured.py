@@ -1,0 +1,272 @@
+"""Structured output: a grammar every generated token must meet, in plain and in speculative decoding.
+
+The grammar engine is llguidance (the one vLLM and llama.cpp use): it compiles a JSON schema, a regex or a Lark
+grammar against the model's vocabulary and gives, for the text so far, the set of tokens that may come next.
+
+    grammar = Grammar.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}})
+    llm.generate(prompt, grammar=grammar)            # or response_format={"type": "json_schema", ...}
+
+Speculative decoding keeps the output exactly that of plain constrained decoding (``Speculator``):
+
+- a draft is cut before its first token the grammar refuses (``SpecStats.n_draft_invalid`` counts them);
+- verify row i is masked with the grammar's state after the anchor and the drafts before it;
+- the grammar advances only by committed tokens (drafts are consumed to compute the rows' masks, then rolled back).
+
+End of generation (the model's end-of-generation tokens) is allowed exactly where the grammar accepts; once the
+grammar is complete, only end of generation is.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import GrammarError
+
+# JSON is generated compactly (", " and ": " between items, no free whitespace): a small model left free to emit
+# whitespace can fill max_tokens with newlines inside an object, and the text is then never valid JSON.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+_vocabularies: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_vocabularies_lock = threading.Lock()
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as exc:  # pragma: no cover - a dependency of the package
+        raise ImportError("structured output needs llguidance: pip install llguidance") from exc
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A compiled-on-use grammar: what the output must be.
+
+    Attributes:
+        kind: "json_object", "json_schema", "regex" or "lark".
+        source: llguidance's grammar text (what ``LLMatcher`` compiles).
+
+    Build one with ``json_object()``, ``json_schema(schema)``, ``regex(pattern)``, ``lark(text)`` or
+    ``from_response_format(response_format)``; each checks the grammar and raises ``GrammarError`` (a
+    ValueError) naming the problem.
+    """
+
+    kind: str
+    source: str
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        """Any JSON object (OpenAI's JSON mode)."""
+        return cls._checked("json_object", _llguidance().LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, overrides=JSON_OPTIONS))
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
+        """JSON valid under ``schema`` (a dict or its JSON text). Keywords llguidance does not implement are
+        refused, never ignored: the output always validates."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, Mapping) and not isinstance(schema, bool):
+            raise GrammarError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        try:
+            source = _llguidance().LLMatcher.grammar_from_json_schema(dict(schema) if isinstance(schema, Mapping)
+                                                                      else schema, overrides=JSON_OPTIONS)
+        except (ValueError, TypeError) as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
+        return cls._checked("json_schema", source)
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        """Text matching the regular expression (Rust ``regex`` syntax, matched whole)."""
+        if not isinstance(pattern, str):
+            raise GrammarError(f"a regex must be a string, got {type(pattern).__name__}")
+        return cls._checked("regex", _llguidance().LLMatcher.grammar_from_regex(pattern))
+
+    @classmethod
+    def lark(cls, text: str) -> Grammar:
+        """Text of a Lark grammar (llguidance's dialect; ``start`` is the top rule). llama.cpp's GBNF is accepted
+        too and converted."""
+        if not isinstance(text, str):
+            raise GrammarError(f"a grammar must be a string, got {type(text).__name__}")
+        llg = _llguidance()
+        if "::=" in text:  # GBNF (llama-server's grammar field)
+            try:
+                text = llg.gbnf_to_lark.any_to_lark(text)
+            except Exception as exc:  # noqa: BLE001 - the converter raises plain Exceptions for bad input
+                raise GrammarError(f"invalid GBNF grammar: {exc}") from None
+        return cls._checked("lark", llg.LLMatcher.grammar_from_lark(text))
+
+    @classmethod
+    def from_response_format(cls, response_format: Mapping[str, Any]) -> Grammar | None:
+        """OpenAI's ``response_format``: ``{"type": "text"}`` (None: no grammar), ``{"type": "json_object"}``,
+        or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``. The schema
+        is always enforced (``strict`` is accepted and changes nothing)."""
+        if not isinstance(response_format, Mapping):
+            raise GrammarError(f"response_format must be an object, got {type(response_format).__name__}")
+        kind = response_format.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, Mapping) or "schema" not in spec:
+                raise GrammarError("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}")
+            if "strict" in spec and not isinstance(spec["strict"], (bool, type(None))):
+                raise GrammarError("response_format json_schema.strict must be a boolean")
+            return cls.json_schema(spec["schema"])
+        raise GrammarError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+    @classmethod
+    def _checked(cls, kind: str, source: str) -> Grammar:
+        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(source)
+        if is_error:
+            raise GrammarError(f"invalid {kind.replace('_', ' ')}: {messages[0].strip()}")
+        return cls(kind, source)
+
+
+def vocabulary(model):
+    """llguidance's view of the model's vocabulary (every token's bytes, control tokens marked, the
+    end-of-generation tokens as its EOS), built once per Model (about 1 s for 50k tokens) and cached."""
+    with _vocabularies_lock:
+        cached = _vocabularies.get(model)
+        if cached is None:
+            cached = _vocabularies[model] = _build_vocabulary(model)
+        return cached
+
+
+class _Tokenizer:
+    """What llguidance's TokenizerWrapper reads: token bytes, special ids, and a text -> ids function (used for
+    text the grammar forces)."""
+
+    def __init__(self, model):
+        self._model = model
+        self.tokens, self.special_token_ids, eog = [], [], []
+        for token in range(model.n_vocab):
+            if model.is_control(token):
+                # llguidance's convention: a control token's bytes begin with 0xff, so no text can spell it
+                self.tokens.append(b"\xff" + model.token_to_piece(token, special=True))
+                self.special_token_ids.append(token)
+            else:
+                self.tokens.append(model.token_to_piece(token))
+            if model.is_eog(token):
+                eog.append(token)
+        special = model.special_tokens
+        self.eog = eog or [special["eos"]]
+        self.eos_token_id = self.eog[0]
+        self.bos_token_id = special["bos"] if special["bos"] >= 0 else None
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        data = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = [int(t) for t in self._model.tokenize(data.decode("utf-8", "replace"), add_special=False)]
+        if b"".join(self.tokens[t] for t in ids) == data:
+            return ids
+        # the tokenizer changed the text (SentencePiece vocabularies prefix a space): spell it by longest match
+        return self._spelled(data)
+
+    def _spelled(self, data: bytes) -> list[int]:
+        if not hasattr(self, "_by_bytes"):
+            self._by_bytes = {}
+            for token, piece in enumerate(self.tokens):
+                if piece and token not in self.special_token_ids:
+                    self._by_bytes.setdefault(piece, token)
+            self._longest = max(map(len, self._by_bytes))
+        ids, at = [], 0
+        while at < len(data):
+            for size in range(min(self._longest, len(data) - at), 0, -1):
+                token = self._by_bytes.get(data[at:at + size])
+                if token is not None:
+                    ids.append(token)
+                    at += size
+                    break
+            else:
+                raise GrammarError(f"the vocabulary cannot spell byte {data[at]:#04x} of {data!r}")
+        return ids
+
+
+def _build_vocabulary(model):
+    llg = _llguidance()
+    tokenizer = _Tokenizer(model)
+    return llg.LLTokenizer(llg.TokenizerWrapper(tokenizer), n_vocab=model.n_vocab, eos_token=tokenizer.eog)
+
+
+class GrammarState:
+    """One generation's position in a grammar: which tokens may come next, advanced by committed tokens.
+
+    Raises:
+        GrammarError: the grammar does not compile against this vocabulary.
+    """
+
+    def __init__(self, grammar: Grammar, model):
+        if not isinstance(grammar, Grammar):
+            raise TypeError(f"grammar must be a Grammar (Grammar.json_schema(...), ...), got {type(grammar).__name__}")
+        if not model.has_vocab:
+            raise GrammarError(f"structured output needs a model with a vocabulary; {model.path.name} has none")
+        llg = _llguidance()
+        self.grammar, self.n_vocab = grammar, model.n_vocab
+        self._matcher = llg.LLMatcher(vocabulary(model), grammar.source, log_level=0)
+        if self._matcher.is_error():
+            raise GrammarError(f"invalid {grammar.kind.replace('_', ' ')}: {self._matcher.get_error()}")
+
+    def allowed(self) -> np.ndarray:
+        """[n_vocab] bool: the tokens that may come next."""
+        return _allowed(self._matcher, self.n_vocab)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of ``logits`` (one row) with the refused tokens at -inf."""
+        out = np.array(logits, dtype=np.float32, copy=True)
+        out[~self.allowed()] = -np.inf
+        return out
+
+    def valid_prefix(self, tokens) -> int:
+        """How many of ``tokens`` the grammar accepts in a row from here (nothing is consumed)."""
+        tokens = [int(t) for t in tokens]
+        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
+
+    def mask_rows(self, rows: np.ndarray, drafts) -> np.ndarray:
+        """Verify rows masked for a draft (all of whose tokens the grammar accepts): row i with the state after
+        ``drafts[:i]``. The drafts are consumed by a copy of the state; this one does not move."""
+        out = np.array(rows, dtype=np.float32, copy=True)
+        drafts = [int(t) for t in drafts]
+        ahead = self._matcher.deep_copy()
+        for i in range(len(out)):
+            out[i][~_allowed(ahead, self.n_vocab)] = -np.inf
+            if i < len(drafts) and not ahead.consume_token(drafts[i]):
+                raise GrammarError(f"draft token {drafts[i]} is not allowed by the grammar: {ahead.get_error()}")
+        return out
+
+    def advance(self, tokens) -> None:
+        """Commit tokens (each allowed where it stands)."""
+        for token in tokens:
+            self._consume(int(token))
+
+    def _consume(self, token: int) -> None:
+        if not self._matcher.consume_token(token):
+            raise GrammarError(f"token {token} is not allowed by the grammar here: {self._matcher.get_error()}")
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is a complete sentence of the grammar (end of generation may come now)."""
+        return bool(self._matcher.is_accepting())
+
+    @property
+    def finished(self) -> bool:
+        """Nothing but end of generation may come (the grammar is complete and cannot grow)."""
+        return bool(self._matcher.is_stopped())
+
+
+def _allowed(matcher, n_vocab: int) -> np.ndarray:
+    words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    allowed = np.unpackbits(words, bitorder="little")[:n_vocab].astype(bool)
+    if not allowed.any():  # a matcher in its error state allows nothing: never sample from an empty row
+        raise GrammarError(f"the grammar allows no token here: {matcher.get_error() or 'no continuation'}")
+    return allowed
