@@ -22,8 +22,8 @@ import numpy as np
 
 from .errors import CaptureError
 
-# Architectures whose graphs expose every layer output (patched in 0002).
-CAPTURE_ARCHS = ("llama", "qwen3", "qwen35")
+# Architectures whose graphs expose every layer output (patches 0002 and, for gemma3, 0025).
+CAPTURE_ARCHS = ("llama", "qwen3", "qwen35", "gemma3")
 MAX_CAPTURE_LAYERS = 64
 
 # llama_dspark_capture_status (include/llama-dspark.h)

@@ -134,3 +134,44 @@ def test_sampling_through_the_speculative_loop_follows_the_target(gemma):
     assert drafted > 0  # prompt lookup drafted the second token in some runs
     assert chi_square(counts[support], expected[support]) < chi2_critical(len(support) - 1)
     assert counts.sum() == counts[support].sum()
+
+
+def test_capture_on_gemma3_dense_and_masked_and_the_last_layer_gives_the_logits(gemma, text_ids):
+    """Patch 0025: capture at any layer of gemma3. Dense and masked rows of the output row are the same bits (the
+    last layer narrowed to the output rows in the masked case, run on every row in the dense one); the last layer's
+    row, through the final RMS norm (whose weight carries Gemma's +1 in the GGUF) and the tied Q8_0 embedding as
+    the output head (no final soft-capping), gives the model's logits."""
+    import gguf
+
+    from pyllama_dspark import Batch
+
+    layers = [0, 8, gemma.n_layer - 1]
+    prompt = text_ids[:24]
+    rows = {}
+    ctx = Context(gemma, n_ctx=256)
+    try:
+        for masked in (True, False):
+            ctx.set_capture_layers(layers, masked=masked)
+            ctx.clear()
+            batch = Batch(len(prompt))
+            batch.add_tokens(prompt, 0, logits="last")
+            ctx.decode(batch)
+            rows[masked] = ctx.capture().copy()
+            logits = ctx.logits(-1).copy()
+    finally:
+        ctx.close()
+    assert rows[True].shape == (1, 3 * gemma.n_embd) and rows[False].shape == (len(prompt), 3 * gemma.n_embd)
+    np.testing.assert_array_equal(rows[True][0], rows[False][-1])
+    last = rows[True][0, 2 * gemma.n_embd:].astype(np.float64)
+    reader = gguf.GGUFReader(gemma.path)
+    tensors = {t.name: t for t in reader.tensors if t.name in ("token_embd.weight", "output_norm.weight")}
+    norm_weight = np.asarray(tensors["output_norm.weight"].data, dtype=np.float64)
+    eps = float(gemma.gguf_value("gemma3.attention.layer_norm_rms_epsilon"))
+    normed = last / np.sqrt(np.mean(last * last) + eps) * norm_weight
+    ids = np.unique(np.concatenate([np.argsort(-logits)[:64], np.arange(0, gemma.n_vocab, 997)]))
+    embedding = gguf.quants.dequantize(np.asarray(tensors["token_embd.weight"].data)[ids],
+                                       gguf.GGMLQuantizationType.Q8_0).astype(np.float64)
+    expected = embedding @ normed
+    assert int(ids[np.argmax(expected)]) == int(np.argmax(logits))
+    # the native head multiplies by the embedding in Q8_0 against activations quantized to 8 bits
+    assert np.abs(expected - logits[ids]).max() < 0.02 * np.abs(logits[ids]).max()
