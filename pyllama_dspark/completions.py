@@ -122,7 +122,7 @@ class ChunkWriter:
 
     def feed(self, event) -> list[dict]:
         """The chunks one event releases (the last event: everything left; then ``finish_reason`` is set)."""
-        if event.logprob is not None:
+        if event.logprob is not None and self.piece is not None:
             self._logprobs.append(event.logprob)
         text = event.text
         if not self.tools:

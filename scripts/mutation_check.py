@@ -42,6 +42,7 @@ MODULES: dict[str, list[str]] = {
     "completions": ["tests/test_completions.py", "tests/test_protocol.py", "tests/test_api.py"],
     "gguf_header": ["tests/test_gguf_header.py"],
     "server/protocol": ["tests/test_protocol.py"],  # test_server.py runs the same over HTTP: minutes per mutant
+    "tools": ["tests/test_tools.py", "tests/test_completions.py", "tests/test_protocol.py"],
 }
 EQUIVALENT = ROOT / "tests" / "mutation_equivalent.txt"
 

@@ -434,3 +434,64 @@ def test_server_sent_events_are_compact_utf8_json():
     assert sse({"a": 1, "b": ["é", None]}) == 'data: {"a":1,"b":["é",null]}\n\n'.encode()
     assert sse("[DONE]") == b"data: [DONE]\n\n"
     assert sse({"error": {"message": "x"}}, event="error") == b'event: error\ndata: {"error":{"message":"x"}}\n\n'
+
+
+def test_logprob_bounds_and_refusals_exactly():
+    assert parse_completion(text_body(logprobs=0), chat=False).logprobs == 0
+    assert parse_completion(text_body(logprobs=20), chat=False).logprobs == 20
+    assert parse_completion(chat_body(logprobs=True, top_logprobs=20), chat=True).logprobs == 20
+    assert parse_completion(chat_body(logprobs=True, top_logprobs=0), chat=True).logprobs == 0
+    assert parse_completion(chat_body(logprobs=False), chat=True).logprobs is None
+    for body, chat, message, param in [
+            (text_body(logprobs=-1), False, "logprobs must be >= 0, got -1", "logprobs"),
+            (chat_body(logprobs=True, top_logprobs=-1), True, "top_logprobs must be >= 0, got -1", "top_logprobs"),
+            (chat_body(top_logprobs=3), True, "top_logprobs needs logprobs: true", "top_logprobs"),
+            (chat_body(logprobs=False, top_logprobs=3), True, "top_logprobs needs logprobs: true", "top_logprobs")]:
+        error = refusal(body, chat=chat)
+        assert (error.message, error.param) == (message, param)
+
+
+def test_grammar_fields_and_what_goes_to_the_engine():
+    from pyllama_dspark.structured import Grammar
+
+    req = parse_completion(chat_body(guided_grammar='start: "a" | "b"', logprobs=True, top_logprobs=2), chat=True)
+    assert req.grammar == Grammar.lark('start: "a" | "b"')
+    assert req.sampling(7)["grammar"] == req.grammar and req.sampling(7)["logprobs"] == 2
+    assert parse_completion(chat_body(grammar='root ::= "x"'), chat=True).grammar.kind == "lark"
+    assert parse_completion(text_body(guided_json={"type": "object"}), chat=False).grammar == Grammar.json_schema(
+        {"type": "object"})
+    error = refusal(chat_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required",
+                              grammar="start: /a/"), chat=True)
+    assert (error.message, error.param) == ("tool_choice 'required' constrains the reply to a tool call: it cannot be "
+                                            "combined with a response_format or grammar", "tool_choice")
+    error = refusal(text_body(tool_choice="auto"), chat=False)
+    assert (error.message, error.param) == ("tools are for /v1/chat/completions", "tools")
+    assert parse_completion(text_body(tool_choice="none"), chat=False).tools == []
+
+
+def test_tool_calls_only_on_assistant_messages():
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    for message in ({"role": "user", "content": "x", "tool_calls": calls},
+                    {"role": "assistant", "content": None, "tool_calls": {"id": "c"}}):
+        error = refusal(chat_body(messages=[message]), chat=True)
+        assert (error.message, error.param) == ("messages[0].tool_calls must be an array, on an assistant message",
+                                                "messages[0].tool_calls")
+
+
+def test_responses_carry_logprobs_and_tool_calls():
+    from pyllama_dspark.logprobs import TokenLogprob
+    from pyllama_dspark.tools import check_tools
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    req = parse_completion(chat_body(tools=tools, logprobs=True), chat=True)
+    out = ResponseShape(req, "target.gguf", speculative=False, piece={4: b"<", 5: b"x"}.get)
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    result = Result(text=call, tokens=(4, 5), stats=Stats(), logprobs=[TokenLogprob(4, -0.5), TokenLogprob(5, -1.0)])
+    choice = out.completion(result)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "f", "arguments": "{}"}]
+    assert choice["logprobs"]["content"] == [{"token": "<", "logprob": -0.5, "bytes": [60], "top_logprobs": []},
+                                             {"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": []}]
+    writer = out.writer()
+    assert writer.tools == check_tools(tools) and writer.piece is out.piece
+    assert writer.head is out.head and writer.chat is True

@@ -101,6 +101,7 @@ def test_an_empty_generation_reads_zero_everywhere():
     s = SpecStats()
     assert (s.accept_rate, s.tau, s.decode_tok_s, s.total_tok_s, s.per_position_rate) == (0.0, 0.0, 0.0, 0.0, [])
     assert "per_position  = \n" in s.format() and "by " not in s.format()
+    assert "draft_invalid" not in s.format()  # shown only when a grammar cut drafts
     assert DraftCounts().summary() == ("rounds 0, drafted 0, accepted 0, accept 0.000%, tau 0.000, per_position -, "
                                        "t_draft 0.000 s")
 

@@ -135,3 +135,48 @@ def test_a_call_in_openai_shape():
     assert call.id.startswith("call_") and len(call.id) == 29 and ToolCall("f", "{}").id != call.id
     assert call.as_openai() == {"id": call.id, "type": "function", "function": {"name": "f", "arguments": "{}"}}
     assert call.as_openai(2) == {"index": 2, **call.as_openai()}
+
+
+def test_earlier_calls_and_tools_are_written_whole():
+    """Several calls in one assistant message (with its own text), arguments given as objects, missing names and
+    arguments, non-ASCII text kept as is, two tools described one per line, no messages at all."""
+    tools = check_tools([dict(WEATHER, function=dict(WEATHER["function"], description="Wetter in Zürich")), TIME])
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
+             {"type": "function", "function": {"name": "get-time"}},
+             {"type": "function", "function": {"arguments": "not json"}},
+             {"type": "function"},
+             "not a call"]
+    out = prompt_messages([{"role": "assistant", "content": "Let me check.", "tool_calls": calls}], tools, "none",
+                          template_renders_tools=False)
+    assert out == [{"role": "assistant", "content": (
+        f'Let me check.{OPEN}{{"name": "get_weather", "arguments": {{"city": "Zürich"}}}}{CLOSE}'
+        f'{OPEN}{{"name": "get-time", "arguments": {{}}}}{CLOSE}'
+        f'{OPEN}{{"name": "", "arguments": "not json"}}{CLOSE}'
+        f'{OPEN}{{"name": "", "arguments": {{}}}}{CLOSE}'
+        f'{OPEN}{{"name": "", "arguments": {{}}}}{CLOSE}')}]
+    (system,) = prompt_messages([], tools, "required", template_renders_tools=False)
+    lines = system["content"].split("\n")
+    assert lines[1] == ('{"name": "get_weather", "description": "Wetter in Zürich", "parameters": {"type": "object", '
+                        '"properties": {"city": {"type": "string"}}, "required": ["city"]}}')
+    assert lines[2] == '{"name": "get-time", "description": "", "parameters": {"type": "object", "properties": {}}}'
+
+
+def test_the_refusals_say_exactly_what_is_wrong():
+    with pytest.raises(ToolError) as info:
+        check_tools([])
+    assert str(info.value) == 'tools must be a non-empty array of {"type": "function", "function": {...}}'
+    with pytest.raises(ToolError) as info:
+        check_tool_choice("sometimes", [])
+    assert str(info.value) == ("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                               "\"function\": {\"name\": ...}}")
+    with pytest.raises(ToolError) as info:
+        check_tool_choice({"type": "function", "function": {"name": "f"}}, [])
+    assert str(info.value) == "tool_choice names function 'f', which is not among the tools (none given)"
+
+
+def test_the_parser_reads_calls_across_lines_and_past_a_malformed_one():
+    tools = check_tools([WEATHER])
+    text = (f'{OPEN}not json{CLOSE}\n{OPEN}\n{{"name": "get_weather",\n "arguments": {{"city": "Zürich"}}}}\n{CLOSE}')
+    content, calls = parse_tool_calls(text, tools)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Zürich"}')]
+    assert content == f"{OPEN}not json{CLOSE}"
