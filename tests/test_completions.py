@@ -212,3 +212,46 @@ def test_tools_and_logprobs_without_a_piece_function_change_nothing_for_text_com
     assert chat["choices"][0]["finish_reason"] == "stop"
     events = [Event("x", logprob=lp(1, -0.5)), Event("", "eog", "stop")]
     assert [c["choices"][0]["logprobs"] for c in completion_chunks(events, HEAD, chat=False)] == [None, None]
+
+
+def test_where_a_call_may_begin_is_held_back_exactly():
+    from pyllama_dspark.tools import check_tools
+
+    tools = check_tools([{"type": "function", "function": {"name": "f"}}])
+
+    def contents(pieces, finish=("eog", "stop")):
+        events = [Event(p) for p in pieces] + [Event("", *finish)]
+        return [c["choices"][0]["delta"].get("content") for c in completion_chunks(events, HEAD, chat=True,
+                                                                                    tools=tools)][1:]
+
+    # a prefix of the tag at the end is held (one character, ten), the rest goes out at once
+    assert contents(["a <", "b"]) == ["a ", "<b", None]
+    assert contents(["a <tool_call", "x"]) == ["a ", "<tool_callx", None]
+    # after text went out, a later "{" is text, not a bare call
+    assert contents(["Hi ", "{x}", " more"]) == ["Hi ", "{x}", " more", None]
+    # two calls and text around them in one piece: the text before the first goes out, the rest after the calls
+    call = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    events = [Event(f"Look: {call} and {call} Done."), Event("", "eog", "stop")]
+    chunks = list(completion_chunks(events, HEAD, chat=True, tools=tools))
+    deltas = [c["choices"][0]["delta"] for c in chunks[1:]]
+    assert deltas[0] == {"content": "Look: "} and deltas[1] == {"content": "and  Done."}
+    assert [c["function"]["name"] for c in deltas[2]["tool_calls"]] == ["f", "f"] and deltas[3] == {}
+    # a bare JSON list of calls
+    listed = [Event('[{"name": "f", "arguments": {}}]'), Event("", "eog", "stop")]
+    (delta,) = [c["choices"][0]["delta"] for c in completion_chunks(listed, HEAD, chat=True, tools=tools)
+                if "tool_calls" in c["choices"][0]["delta"]]
+    assert len(delta["tool_calls"]) == 1
+
+
+def test_a_chat_logprob_left_at_the_end_goes_in_an_empty_content_delta():
+    events = [Event("Hi", logprob=lp(1, -0.5)), Event("", "eog", "stop", logprob=lp(2, -0.25))]
+    chunks = list(completion_chunks(events, HEAD, chat=True, piece=PIECES.get))
+    assert chunks[2]["choices"][0]["delta"] == {"content": ""}
+    assert [e["logprob"] for e in chunks[2]["choices"][0]["logprobs"]["content"]] == [-0.25]
+
+
+def test_split_utf8_among_the_alternatives_is_replaced_not_an_error():
+    entries = [lp(3, -1.0, (3, -1.0), (4, -2.0))]
+    out = completion(Result("\ufffd", [3], 2, "stop", logprobs=entries), HEAD, chat=False, speculative=False,
+                     piece=PIECES.get)["choices"][0]["logprobs"]
+    assert out["top_logprobs"] == [{"\ufffd": -2.0}]  # both alternatives decode to U+FFFD; the later one stays

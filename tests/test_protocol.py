@@ -489,6 +489,7 @@ def test_responses_carry_logprobs_and_tool_calls():
     result = Result(text=call, tokens=(4, 5), stats=Stats(), logprobs=[TokenLogprob(4, -0.5), TokenLogprob(5, -1.0)])
     choice = out.completion(result)["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["role"] == "assistant"
     assert [c["function"] for c in choice["message"]["tool_calls"]] == [{"name": "f", "arguments": "{}"}]
     assert choice["logprobs"]["content"] == [{"token": "<", "logprob": -0.5, "bytes": [60], "top_logprobs": []},
                                              {"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": []}]
