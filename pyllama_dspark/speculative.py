@@ -44,6 +44,7 @@ from .hybrid import source_name
 from .logprobs import TokenLogprob
 from .sampling import Sampler, probabilities
 from .stats import SpecStats
+from .structured import Grammar
 from .verify import accept_greedy, accept_stochastic
 
 
@@ -381,7 +382,7 @@ class Speculator:
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, stop_at_eog: bool = True, add_special: bool = True,
-                 reuse_prefix: bool = False, grammar=None, logprobs: int | None = None):
+                 reuse_prefix: bool = False, grammar: Grammar | None = None, logprobs: int | None = None):
         """Generate with speculative decoding; temperature 0 reproduces plain greedy decoding exactly.
 
         Args:

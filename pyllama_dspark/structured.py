@@ -28,8 +28,8 @@ import numpy as np
 
 from .errors import GrammarError
 
-# JSON is generated compactly (", " and ": " between items, no free whitespace): a small model left free to emit
-# whitespace can fill max_tokens with newlines inside an object, and the text is then never valid JSON.
+# JSON is generated compactly (no whitespace between its tokens, e.g. {"a":1,"b":[2]}): a small model left free to
+# emit whitespace can fill max_tokens with newlines inside an object, and the text is then never valid JSON.
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 _vocabularies: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
