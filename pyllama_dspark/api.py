@@ -225,9 +225,8 @@ class LLM:
         for i, prompt in enumerate(prompts):
             tokens = prompt_tokens(scheduler.ctx, prompt, add_special=add_special)
             params = sampling_params(temperature, top_k, top_p, None if seed is None else seed + i)
-            rules = OutputRules(self.model, grammar, logprobs) if grammar is not None or logprobs is not None else None
             requests.append(BatchRequest(tokens, max_tokens, Sampler(params), stop, stop_at_eog=stop_at_eog,
-                                         rules=rules))
+                                         rules=OutputRules(self.model, grammar, logprobs)))
         try:
             return scheduler.run(requests)
         except BaseException:  # an interrupt or a failed decode: the next call starts from an empty scheduler

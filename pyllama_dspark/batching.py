@@ -148,12 +148,13 @@ class BatchSequence:
 
     def __init__(self, request: BatchRequest, text: TextStream, chooser: DraftLengthChooser | None):
         self.request = request
+        self.rules = request.rules if request.rules is not None else OutputRules(text.model)
         self.seq_id: int | None = None
         self.stats = SpecStats()
         self.stats.n_prompt, self.stats.stop_reason = len(request.tokens), "max_tokens"
         self.text = text
         self.tokens: list[int] = []
-        self.logprobs: list | None = None if request.rules is None or request.rules.n_logprobs is None else []
+        self.logprobs: list | None = None if self.rules.n_logprobs is None else []
         self.chooser = chooser
         self.prefilled = 0  # prompt tokens decoded so far (from the kept prefix on, with the prompt cache)
         self.in_memory: list[int] | None = []  # the ids the sequence's memory holds; None: unknown (an aborted decode)
@@ -465,11 +466,7 @@ class BatchScheduler:
             seq.pos = len(tokens)
             seq._t_decode0 = time.perf_counter()
             logits = self.ctx.logits(-1)
-            rules = seq.request.rules
-            if rules is None:
-                token, logprob = seq.request.sampler(logits), None
-            else:
-                token, logprob = rules.choose(logits, seq.request.sampler)
+            token, logprob = seq.rules.choose(logits, seq.request.sampler)
             self._commit(seq, [token], [False], events, logits=logits[None], logprobs=[logprob])
 
     def _round(self, decoding: list[BatchSequence], events) -> None:
@@ -495,13 +492,8 @@ class BatchScheduler:
             k = min(plans[seq], len(draft.tokens))
             if seq.chooser is not None and k:
                 k = seq.chooser.cut(draft.confidence, k, t_draft * len(draft.tokens) / n_drafted_all)
-            guide = seq.request.rules.guide if seq.request.rules is not None else None
-            if guide is not None and k:  # cut before the first token the grammar refuses (Speculator._round)
-                n_valid = guide.valid_prefix(draft.tokens[:k])
-                if n_valid < k:
-                    seq.stats.n_draft_invalid += k - n_valid
-                    refused[seq], k = int(draft.tokens[n_valid]), n_valid
-            chosen[seq] = (draft, np.asarray(draft.tokens[:k], dtype=np.int32))
+            drafts_k, refused[seq] = seq.rules.cut_draft(np.asarray(draft.tokens[:k], dtype=np.int32), seq.stats)
+            chosen[seq] = (draft, drafts_k)
         # verify: every sequence's [anchor, d0..dk-1], each at its positions in its own sequence
         self._batch.clear()
         starts = {}
@@ -525,18 +517,11 @@ class BatchScheduler:
         for seq in decoding:
             draft, drafts_k = chosen[seq]
             k, start = len(drafts_k), starts[seq]
-            rules = seq.request.rules
             rows_k = logits[start:start + k + 1]
-            if rules is not None and rules.guide is not None:
-                rows_k = rules.guide.mask_rows(rows_k, drafts_k)
-            n, token = Speculator._accept(drafts_k, draft, rows_k, seq.request.sampler, refused.get(seq))
+            n, token = Speculator._accept(drafts_k, draft, seq.rules.verify_rows(rows_k, drafts_k),
+                                          seq.request.sampler, refused[seq])
             committed = [int(t) for t in drafts_k[:n]] + [token]
-            logprobs = None
-            if rules is not None:
-                if rules.guide is not None:
-                    rules.guide.advance(committed)
-                if rules.n_logprobs is not None:
-                    logprobs = [rules.logprob(logits[start + i], t) for i, t in enumerate(committed)]
+            logprobs = seq.rules.commit(rows_k, committed)
             if n < k:
                 self.ctx.seq_rm(seq.seq_id, seq.pos + n + 1, -1)
             seq.in_memory.append(int(seq.anchor))
@@ -569,7 +554,7 @@ class BatchScheduler:
         sequence when one of those, or the end of its context, was reached. ``rows``/``logits``: the capture rows
         of the decoded positions and the logit rows the tokens came from, for ``on_rows`` (cut like the tokens);
         ``logprobs``: the tokens' ``TokenLogprob``s when the request asked for them."""
-        model, request = self.ctx.model, seq.request
+        request = seq.request
         reason = None
         kept = 0
         for i, (token, drafted) in enumerate(zip(tokens, from_draft)):
@@ -583,8 +568,7 @@ class BatchScheduler:
             events[seq].append(TokenEvent(token=token, text=piece, from_draft=drafted, logprob=logprob))
             if seq.text.stopped or token in request.stop_tokens:
                 reason = "stop"
-            elif (request.rules.ends(token, request.stop_at_eog) if request.rules is not None
-                  else request.stop_at_eog and model.is_eog(token)):
+            elif seq.rules.ends(token, request.stop_at_eog):
                 reason = "eog"
             elif len(seq.tokens) >= request.max_tokens:
                 reason = "max_tokens"

@@ -196,6 +196,27 @@ class OutputRules:
     def logprob(self, row: np.ndarray, token: int) -> TokenLogprob | None:
         return None if self.n_logprobs is None else token_logprob(row, token, self.n_logprobs)
 
+    def cut_draft(self, drafts: np.ndarray, stats: SpecStats) -> tuple[np.ndarray, int | None]:
+        """A draft cut before its first token the grammar refuses, and that token (None when nothing was cut);
+        ``stats.n_draft_invalid`` counts the tokens cut."""
+        if self.guide is None or not len(drafts):
+            return drafts, None
+        n_valid = self.guide.valid_prefix(drafts)
+        if n_valid == len(drafts):
+            return drafts, None
+        stats.n_draft_invalid += len(drafts) - n_valid
+        return drafts[:n_valid], int(drafts[n_valid])
+
+    def verify_rows(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+        """The verify rows of [anchor, drafts] as the grammar allows them (row i after ``drafts[:i]``)."""
+        return rows if self.guide is None else self.guide.mask_rows(rows, drafts)
+
+    def commit(self, rows: np.ndarray, committed: list[int]) -> list[TokenLogprob] | None:
+        """Advance the grammar by a round's committed tokens; their logprobs from the raw rows they came from."""
+        if self.guide is not None:
+            self.guide.advance(committed)
+        return None if self.n_logprobs is None else [self.logprob(rows[i], t) for i, t in enumerate(committed)]
+
     def ends(self, token: int, stop_at_eog: bool) -> bool:
         """Whether ``token`` ends the generation: an end-of-generation token with ``stop_at_eog``, and always
         under a grammar (it admits nothing after one)."""

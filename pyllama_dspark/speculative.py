@@ -296,12 +296,7 @@ class Speculator:
         t1 = time.perf_counter()
         if self.source_chooser is not None and n_drafted:
             drafts = drafts[: self.source_chooser.choosers[source].cut(draft.confidence, n_drafted, t1 - t0)]
-        refused = None  # the draft token the grammar refused, cut with what follows it
-        if rules.guide is not None and len(drafts):
-            n_valid = rules.guide.valid_prefix(drafts)
-            if n_valid < len(drafts):
-                stats.n_draft_invalid += len(drafts) - n_valid
-                refused, drafts = int(drafts[n_valid]), drafts[:n_valid]
+        drafts, refused = rules.cut_draft(drafts, stats)  # refused: the token the grammar refused, cut with the rest
         if len(drafts) < self.n_draft_min:
             drafts, refused = drafts[:0], None
         # verify: [anchor, d0..dk-1], every row's logits; row i predicts the token after row i's token
@@ -310,8 +305,7 @@ class Speculator:
         self._batch.add_tokens(np.concatenate([[anchor], drafts]), pos, logits="all")
         ctx.decode(self._batch)
         rows = ctx.all_logits()
-        allowed_rows = rules.guide.mask_rows(rows, drafts) if rules.guide is not None else rows
-        n, token = self._accept(drafts, draft, allowed_rows, sampler, refused)
+        n, token = self._accept(drafts, draft, rules.verify_rows(rows, drafts), sampler, refused)
         # commit: drop the rejected cells, then give the drafter the committed rows' features
         if n < k:
             ctx.seq_rm(0, pos + n + 1, -1)
@@ -319,10 +313,7 @@ class Speculator:
         drafter.observe(np.concatenate([[anchor], drafts[:n]]).astype(np.int32), features, pos)
         t2 = time.perf_counter()
         committed = [int(t) for t in drafts[:n]] + [token]
-        if rules.guide is not None:
-            rules.guide.advance(committed)
-        logprobs = (None if rules.n_logprobs is None
-                    else [rules.logprob(rows[i], t) for i, t in enumerate(committed)])
+        logprobs = rules.commit(rows, committed)
         stats.observe_round(k, n, source=source if n_drafted else "", t_draft=t1 - t0)
         stats.t_verify += t2 - t1
         if self.source_chooser is not None:

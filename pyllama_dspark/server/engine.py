@@ -300,6 +300,6 @@ def _batch_request(job: Job, model) -> BatchRequest:
     knobs = job.sampling
     params = sampling_params(knobs["temperature"], knobs["top_k"], knobs["top_p"], knobs["seed"])
     grammar, logprobs = output_options(knobs.get("grammar"), knobs.get("logprobs"))
-    rules = OutputRules(model, grammar, logprobs) if grammar is not None or logprobs is not None else None
     return BatchRequest(np.asarray(job.prompt, dtype=np.int64), checks.integer("max_tokens", knobs["max_tokens"]),
-                        Sampler(params), checks.stop_strings(knobs["stop"]), cancel=job.cancel, rules=rules)
+                        Sampler(params), checks.stop_strings(knobs["stop"]), cancel=job.cancel,
+                        rules=OutputRules(model, grammar, logprobs))
