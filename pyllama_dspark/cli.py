@@ -284,7 +284,9 @@ def _add_train_parser(sub, parents: list) -> None:
     t.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
     t.add_argument("-s", "--seed", type=int, default=0)
     t.add_argument("-t", "--threads", "--n-threads", dest="n_threads", type=int, default=None)
-    t.add_argument("--outtype", default="f16", choices=("f32", "f16", "bf16", "q8_0"))
+    t.add_argument("--outtype", default="auto", choices=("auto", "f32", "f16", "bf16", "q8_0"),
+                   help="auto (default): f16, or bf16 when the target's activations leave float16's range "
+                        "(Gemma 3's do)")
     t.add_argument("--anchors", type=int, default=16, help="anchors per sequence per step")
     t.add_argument("--seqs-per-step", type=int, default=4)
     t.add_argument("--parallel", type=int, default=8, help="sequences generated side by side")

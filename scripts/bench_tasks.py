@@ -59,6 +59,16 @@ def load_tasks(path: Path, categories: list[str] | None, per_category: int) -> d
     return dict(by_category)
 
 
+def prompt_text(model: Model, messages: list[dict]) -> str:
+    """The chat through the target's template; for a base model without one, a plain transcript
+    ("User: ...\nAssistant: ...", ending "Assistant:"), the form ``make_base_prompts.py`` trains drafters on."""
+    if model.chat_template is not None:
+        return model.apply_chat_template(messages)
+    names = {"user": "User", "assistant": "Assistant", "system": "System"}
+    lines = [f"{names.get(m['role'], m['role'].title())}: {m['content']}" for m in messages]
+    return "\n".join(lines + ["Assistant:"])
+
+
 class Runner:
     """One configuration: its own target context and drafter; ``speculator()`` a fresh loop over them."""
 
@@ -111,7 +121,7 @@ def run_sequential(model, drafter_path, tasks, configs, settings, n_predict) -> 
     per_prompt: dict[str, dict[str, list[dict]]] = {}
     for category, rows in tasks.items():
         results = per_prompt[category] = {"plain": [], **{name: [] for name in configs}}
-        texts = [model.apply_chat_template(row["messages"]) for row in rows]
+        texts = [prompt_text(model, row["messages"]) for row in rows]
         plain_tokens = []
         with Context(model, **settings) as plain_ctx:
             generate(plain_ctx, "Hello", max_tokens=4)  # warm-up: weights paged in, threads started
@@ -149,7 +159,7 @@ def run_batched(model, drafter_path, tasks, parallels, settings, n_predict) -> d
     with load(model, drafter_path, **settings) as spec_llm, load(model, None, **settings) as plain_llm:
         for parallel in parallels:
             for category, rows in tasks.items():
-                texts = [model.apply_chat_template(row["messages"]) for row in rows]
+                texts = [prompt_text(model, row["messages"]) for row in rows]
                 figures = {}
                 for name, llm in (("plain", plain_llm), ("speculative", spec_llm)):
                     t0 = time.perf_counter()

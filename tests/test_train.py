@@ -93,7 +93,7 @@ def test_stored_top_k_equal_the_teacher_recomputed_from_the_last_layer(tmp_path,
     the teacher from the stored last-layer rows. Both describe the same distribution, and with k = the whole
     vocabulary the sparse loss terms equal the dense ones."""
     from pyllama_dspark.train import trainer
-    from pyllama_dspark.train.data import Record, load_sequences, top_k_probabilities
+    from pyllama_dspark.train.data import Record, decode_rows, load_sequences, top_k_probabilities
     from pyllama_dspark.train.settings import WorkDir
 
     prompts = write_prompts(tmp_path / "p.jsonl", 4, 7)
@@ -111,7 +111,7 @@ def test_stored_top_k_equal_the_teacher_recomputed_from_the_last_layer(tmp_path,
     for r in records:
         n_gen = len(r.tokens) - r.prompt_len
         assert r.top_ids.shape == (n_gen, 32) and r.top_p.dtype == np.float16
-        rows = torch.from_numpy(r.last[r.prompt_len - 1:].astype(np.float32))
+        rows = torch.from_numpy(decode_rows(r.last[r.prompt_len - 1:]))
         with torch.no_grad():
             teacher = torch.softmax(module.teacher_logits(rows), -1).numpy()
         np.testing.assert_allclose(r.top_p.astype(np.float32), np.take_along_axis(teacher, r.top_ids, 1),
@@ -138,6 +138,88 @@ def test_top_k_probabilities_are_the_softmax_of_the_whole_row():
     softmax = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
     assert ids.tolist() == [1, 3, 4]  # most likely first; the tie in id order
     np.testing.assert_allclose(p.astype(np.float64), softmax[[1, 3, 4]], rtol=1e-3)
+
+
+@pytest.mark.parametrize("n", [262_144, 49_152, 1_000, 300, 40])
+def test_top_k_of_a_row_equals_a_full_sort_with_ties(n):
+    """Only the chunks that can hold the top k are sorted: the ids equal a stable sort of the whole row (ties to
+    the lower id, several tied at the top), for vocabularies that are and are not multiples of the chunk, and k
+    above the number of chunks."""
+    from pyllama_dspark.train.data import top_k_probabilities
+
+    rng = np.random.default_rng(n)
+    for k in (1, 5, 32, n):
+        logits = (rng.standard_normal(n) * 4).astype(np.float32)
+        logits[rng.integers(0, n, 6)] = logits.max()
+        logits[rng.integers(0, n, 6)] = np.float32(-np.inf) if k == 5 else logits.min()
+        ids, p = top_k_probabilities(logits, k)
+        want = np.lexsort((np.arange(n), -logits))[:k]
+        assert ids.tolist() == want.tolist()
+        z = np.exp(logits.astype(np.float64) - logits.max())
+        np.testing.assert_allclose(p.astype(np.float64), (z / z.sum())[want], rtol=2e-3, atol=1e-7)
+
+
+def test_rows_beyond_float16_are_stored_as_bfloat16_rounded_to_nearest_even(tmp_path):
+    """Gemma 3's layers reach 1e5 at the BOS position: float16 would store infinity. Rows that fit stay float16;
+    others become bfloat16 bits equal to torch's own rounding, and decode to within 2^-8 of each value."""
+    from pyllama_dspark.train.data import Record, _write_shard, decode_rows, encode_rows, load_sequences
+    from pyllama_dspark.train.settings import TrainError, WorkDir
+
+    rng = np.random.default_rng(0)
+    small = (rng.standard_normal((7, 48)) * 300).astype(np.float32)
+    stored = encode_rows(small)
+    assert stored.dtype == np.float16 and np.array_equal(decode_rows(stored), small.astype(np.float16).astype(np.float32))
+    large = small.copy()
+    large[0, :5] = [1.0e5, -103772.0, 65505.0, 3.0e38, 1.0 + 2.0 ** -8]  # the last: a tie, rounded to even (1.0)
+    stored = encode_rows(large)
+    assert stored.dtype == np.uint16
+    reference = torch.from_numpy(large).to(torch.bfloat16).to(torch.float32).numpy()
+    np.testing.assert_array_equal(decode_rows(stored), reference)
+    np.testing.assert_allclose(decode_rows(stored), large, rtol=2.0 ** -8)
+    for bad in (np.nan, np.inf):
+        broken = small.copy()
+        broken[3, 3] = bad
+        with pytest.raises(TrainError, match="NaN or infinity"):
+            encode_rows(broken, "shard-00000.npz")
+
+    work = WorkDir(tmp_path / "w")
+    work.data.mkdir(parents=True)
+    tokens = np.arange(8, dtype=np.int32)
+    records = [Record(tokens, 3, large[:7, :32], large[:7, 32:]), Record(tokens, 2, small[:7, :32], small[:7, 32:])]
+    info = _write_shard(work.data / "shard-00000.npz", records, range(2))
+    # per shard and array: one large value makes the shard's taps bf16; its last-layer rows fit float16
+    assert info["rows"] == {"taps": "bf16", "last": "f16"}
+    (work.data / "manifest.json").write_text(json.dumps({"shards": {"shard-00000.npz": info}}))
+    back = load_sequences(work)
+    np.testing.assert_array_equal(decode_rows(back[0].taps), reference[:, :32])
+    np.testing.assert_allclose(decode_rows(back[1].taps), small[:7, :32], rtol=2.0 ** -8)
+    np.testing.assert_array_equal(decode_rows(back[1].last), small[:7, 32:].astype(np.float16).astype(np.float32))
+
+
+def test_the_drafter_is_bf16_by_default_when_the_rows_left_float16s_range(tmp_path):
+    from pyllama_dspark.train.pipeline import resolve_outtype
+    from pyllama_dspark.train.settings import TrainError, WorkDir
+
+    work = WorkDir(tmp_path / "w")
+    work.data.mkdir(parents=True)
+    shards = {"shard-00000.npz": {"rows": {"taps": "f16", "last": "f16"}}}
+    (work.data / "manifest.json").write_text(json.dumps({"shards": shards}))
+    assert [resolve_outtype(t, work) for t in ("auto", "f16", "bf16", "q8_0", "f32")] == \
+        ["f16", "f16", "bf16", "q8_0", "f32"]
+    shards["shard-00001.npz"] = {"rows": {"taps": "bf16", "last": "f16"}}
+    (work.data / "manifest.json").write_text(json.dumps({"shards": shards}))
+    assert [resolve_outtype(t, work) for t in ("auto", "bf16", "q8_0", "f32")] == ["bf16", "bf16", "q8_0", "f32"]
+    with pytest.raises(TrainError, match="--outtype f16: the target's captured activations exceed"):
+        resolve_outtype("f16", work)
+
+
+def test_placeholder_control_tokens_are_not_required_in_a_draft_vocabulary():
+    from pyllama_dspark.train.vocab import is_placeholder
+
+    for name in ("<unused0>", "<unused6241>", "<|reserved_special_token_17|>", "[unused3]"):
+        assert is_placeholder(name)
+    for name in ("<mask>", "<start_of_turn>", "<|im_start|>", "<unused>", "<unused0> ", "unused0", "<pad>"):
+        assert not is_placeholder(name)
 
 
 # --- the reduced draft vocabulary: which tokens are kept ------------------------------------------------

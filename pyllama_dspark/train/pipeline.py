@@ -51,7 +51,7 @@ class TrainOptions:
     lr: float = 1e-2
     seed: int = 0
     n_threads: int | None = None
-    outtype: str = "f16"
+    outtype: str = "auto"  # f16, or bf16 when the data's rows left float16's range (resolve_outtype)
     anchors: int = 16
     seqs_per_step: int = 4
     parallel: int = 8
@@ -262,6 +262,8 @@ def run(options: TrainOptions) -> TrainReport:
         raise TrainError(f"no sequence has {settings.block_size + 1} generated tokens to anchor a block on (the "
                          f"target stopped early on every prompt); use more or longer prompts")
 
+    outtype = resolve_outtype(options.outtype, work)
+
     # --- training --------------------------------------------------------------------------------
     if options.n_threads:
         torch.set_num_threads(options.n_threads)
@@ -295,9 +297,9 @@ def run(options: TrainOptions) -> TrainReport:
     }
 
     # --- export ------------------------------------------------------------------------------------
-    result = export_gguf(module, settings.taps, work.export, options.outfile, options.target, outtype=options.outtype)
+    result = export_gguf(module, settings.taps, work.export, options.outfile, options.target, outtype=outtype)
     report.export = {"bytes": options.outfile.stat().st_size, "tensors": len(result.tensors),
-                     "checkpoint": str(work.export), "outtype": options.outtype}
+                     "checkpoint": str(work.export), "outtype": outtype}
 
     # --- held-out evaluation -----------------------------------------------------------------------
     if eval_prompts:
@@ -305,6 +307,25 @@ def run(options: TrainOptions) -> TrainReport:
                                      n_predict=options.eval_n_predict or options.n_predict, n_threads=options.n_threads)
     write_json_atomically(work.root / "report.json", report.as_dict())
     return report
+
+
+def resolve_outtype(outtype: str, work: WorkDir) -> str:
+    """The drafter's storage type: ``auto`` is f16, or bf16 when some of the data's rows left float16's range.
+
+    The drafter's ``fc`` multiplies the target's raw tap rows, and an f16 weight makes the CPU backend convert
+    them to float16 first: Gemma 3's BOS row (1e5) would become infinity and poison the drafter's memory.
+
+    Raises:
+        TrainError: ``f16`` asked for such a target (before training, so the data is kept for a rerun).
+    """
+    wide = any("bf16" in info.get("rows", {}).values() for info in data_phase.shard_infos(work))
+    if outtype == "auto":
+        return "bf16" if wide else "f16"
+    if outtype == "f16" and wide:
+        raise TrainError("--outtype f16: the target's captured activations exceed float16's range (the data's "
+                         "rows are stored as bf16), and the drafter's fc would read them as infinity; use "
+                         "--outtype bf16, q8_0 or f32 (or auto)")
+    return outtype
 
 
 def _draft_vocabulary(settings: TrainSettings, work: WorkDir, records, required: set[int], n_vocab: int):

@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from .data import Record, anchor_range
+from .data import Record, anchor_range, decode_rows
 from .model import IGNORE, DraftConfig, DSparkDraft, FrozenTarget
 from .settings import TrainSettings, WorkDir
 from .torch_import import torch
@@ -110,7 +110,7 @@ def sequence_loss(module: DSparkDraft, record: Record, anchors: np.ndarray, mix:
     B = module.c.block_size
     tokens = torch.from_numpy(record.tokens.astype(np.int64))
     a = torch.from_numpy(anchors.astype(np.int64))
-    raw = record.taps[: int(anchors.max())].astype(np.float32)
+    raw = decode_rows(record.taps[: int(anchors.max())])
     if noise > 0.0:
         rms = np.sqrt(np.mean(raw * raw, axis=1, keepdims=True))
         raw = raw + (noise * rms * (rng or np.random.default_rng()).standard_normal(raw.shape)).astype(np.float32)
@@ -150,7 +150,7 @@ def _dense_teacher_terms(module: DSparkDraft, record: Record, positions, log_q):
     fully in TVD (q = 0 there), and KL runs over the draft vocabulary only (outside, q = 0 would make it
     infinite)."""
     with torch.no_grad():
-        last = torch.from_numpy(record.last.astype(np.float32))[positions]
+        last = torch.from_numpy(decode_rows(record.last))[positions]
         p = torch.softmax(module.teacher_logits(last), dim=-1)
         outside = 0.0
         if module.draft_ids is not None:

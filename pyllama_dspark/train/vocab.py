@@ -4,22 +4,36 @@ The drafter's output head and Markov ``w2`` then have one row per kept id instea
 so a draft costs a fraction of a full-vocabulary one. A token outside the vocabulary is never drafted (its
 draft probability is 0), so acceptance is bounded by the coverage: the share of the target's own output
 tokens that are inside. The ids kept are the most frequent tokens of the target's outputs in the training
-data, plus every token a chat needs whatever its frequency: control and special tokens, end-of-generation
-tokens and the tokens the chat template writes. The mask token is never kept (it must never be drafted).
+data, plus every token a chat needs whatever its frequency: control and special tokens (but placeholders
+such as Gemma's ``<unusedN>``), end-of-generation tokens and the tokens the chat template writes. The mask
+token is never kept (it must never be drafted).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Iterable, Sequence
 
 import numpy as np
 
 
+PLACEHOLDER = re.compile(r"^(<unused\d+>|\[unused\d+\]|<\|reserved_special_token_\d+\|>)$")
+
+
+def is_placeholder(text: str) -> bool:
+    """A control token reserved for later use (Gemma's 6,242 ``<unusedN>``, Llama 3's
+    ``<|reserved_special_token_N|>``, BERT's ``[unusedN]``): no chat writes it, so a draft vocabulary does not
+    keep it unless the target generated it."""
+    return PLACEHOLDER.match(text) is not None
+
+
 def required_tokens(model) -> set[int]:
-    """Ids a draft vocabulary always keeps: control/special and end-of-generation tokens, and every token of a
-    chat rendered with the model's template (role markers, separators, its default system prompt)."""
+    """Ids a draft vocabulary always keeps: control/special tokens but placeholders, end-of-generation tokens,
+    and every token of a chat rendered with the model's template (role markers, separators, its default system
+    prompt)."""
     n_vocab = model.n_vocab
-    keep = {t for t in range(n_vocab) if model.is_eog(t) or model.is_control(t)}
+    keep = {t for t in range(n_vocab)
+            if model.is_eog(t) or (model.is_control(t) and not is_placeholder(model.detokenize([t], unparse_special=True)))}
     keep |= {t for t in model.special_tokens.values() if 0 <= t < n_vocab}
     if model.chat_template is not None:
         chat = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "Hi."},
