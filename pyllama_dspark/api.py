@@ -27,7 +27,7 @@ from .errors import DecodeAbortedError
 from .generate import (GenerationResult, OutputRules, TokenEvent, generate, output_options, prompt_tokens,
                        sampling_params)
 from .hybrid import HybridDrafter
-from .model import Model
+from .model import Model, read_header
 from .sampling import Sampler
 from .speculative import Speculator
 from .stats import SpecStats
@@ -104,7 +104,11 @@ class LLM:
         is_path = isinstance(drafter, (str, os.PathLike))
         if prompt_lookup is None:  # the default configuration: a DSpark drafter with prompt lookup
             prompt_lookup = is_path
-        block = DSparkDrafter.peek_block_size(drafter) if is_path else getattr(drafter, "block_size", 0)
+        # the drafter file's header, read once: its block size now, then the drafter's Model and checks (and the
+        # batch schedulers' drafters) take it as it is
+        self._drafter_header = read_header(drafter) if is_path else None
+        block = (int(self._drafter_header.value("dflash.block_size", 0)) if is_path
+                 else getattr(drafter, "block_size", 0))
         # made before the target's context, whose rollback snapshots must cover the larger of the two blocks
         lookup = PromptLookupDrafter() if prompt_lookup else None
         if lookup is not None:
@@ -119,7 +123,7 @@ class LLM:
         try:
             if is_path:
                 drafter = DSparkDrafter(drafter, self.ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
-                                        p_min=p_min)
+                                        p_min=p_min, header=self._drafter_header)
             if lookup is not None:
                 drafter = lookup if drafter is None else HybridDrafter(drafter, lookup=lookup)
             self.drafter = drafter
@@ -251,7 +255,7 @@ class LLM:
             try:
                 drafter = None if dspark is None else DSparkDrafter(
                     dspark.model.path, ctx, n_threads=settings["n_threads"], n_gpu_layers=settings["n_gpu_layers"],
-                    p_min=settings["p_min"])
+                    p_min=settings["p_min"], header=dspark.model.gguf_header)
                 self._schedulers[parallel] = (BatchScheduler(ctx, drafter, n_draft=settings["n_draft"]), ctx,
                                               drafter)
             except BaseException:

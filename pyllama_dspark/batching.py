@@ -43,22 +43,20 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
 from . import checks
 from .batch import Batch
-from .context import EXACT_UBATCH, CancelToken, Context
+from .context import Context
 from .draft_length import DraftLengthChooser
 from .drafter import Draft
 from .errors import DecodeAbortedError, MemoryOpError
-from .generate import GenerationResult, OutputRules, TextStream, TokenEvent
-from .sampling import Sampler
+from .events import (MAX_EXACT_ROWS, BatchRequest, CancelToken, GenerationResult, OutputRules,  # noqa: F401
+                     TextStream, TokenEvent)
 from .stats import SpecStats
 
-MAX_EXACT_ROWS = EXACT_UBATCH  # rows a decode may have for consistent numerics to hold (patches 0005, 0012)
 _NOTHING = np.zeros(0, dtype=np.int64)
 MIN_SAVED_TOKENS = 16  # a slot's memory is copied to host memory before it is cut only when this much is cut
 
@@ -72,21 +70,6 @@ class _Saved:
         if drafter is not None:
             state, (chunks, _) = drafter
             self.nbytes += len(state) + sum(chunk.nbytes for chunk in chunks)
-
-
-@dataclass
-class BatchRequest:
-    """One generation for the scheduler: prompt token ids and its own sampler (seeded per request); ``rules``: a
-    grammar and logprobs (``OutputRules``, one per request; None: free text, no logprobs)."""
-
-    tokens: np.ndarray
-    max_tokens: int
-    sampler: Sampler = field(default_factory=Sampler)
-    stop: list[str] = field(default_factory=list)
-    stop_at_eog: bool = True
-    cancel: CancelToken | None = None
-    stop_tokens: frozenset[int] = frozenset()  # ids that end the generation (kept), besides end-of-generation
-    rules: OutputRules | None = None
 
 
 class VerifyCostModel:

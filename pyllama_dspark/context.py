@@ -29,12 +29,13 @@ from ._lib import ffi, lib
 from ._owned import Owned
 from . import capture as _capture
 from .batch import Batch, EmbdBatch
+from .cancel import CancelToken
 from .errors import (CaptureError, ContextBusyError, ContextInitError, InvalidBatchError, LlamaError, MemoryOpError,
                      RpcError, UnsupportedModeError, decode_error)
+from .events import EXACT_UBATCH
 from .model import Model
 
 
-EXACT_UBATCH = 64  # most tokens a ubatch may have for consistent numerics to hold (patches 0005, 0012)
 _KV_TYPES = {"f16": lib.GGML_TYPE_F16, "f32": lib.GGML_TYPE_F32, "q8_0": lib.GGML_TYPE_Q8_0}
 
 
@@ -49,31 +50,6 @@ def _serialised(method):
 
 # Architectures whose graphs expose every layer input (patch 0007 refuses the others natively too).
 _LAYER_INPUT_ARCHS = ("llama", "qwen3", "qwen35")
-
-
-class CancelToken:
-    """Asks a running generation to stop, from any thread: ``cancel()``.
-
-    A generation given the token (``LLM.stream(..., cancel=token)``) stops at the next round, and a decode
-    already running (a long prompt's prefill) stops at its next graph node: the token's flag is read there by a C
-    function set as llama.cpp's abort callback (``Context.abortable``), so no Python runs inside the decode.
-    """
-
-    def __init__(self):
-        self._flag = ffi.new("int32_t *")
-        self._event = threading.Event()
-
-    def cancel(self) -> None:
-        self._flag[0] = 1
-        self._event.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._event.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until cancelled (or the timeout passes); True if cancelled."""
-        return self._event.wait(timeout)
 
 
 _CANCEL_REQUESTED = ffi.addressof(lib, "pyllama_cancel_requested")
@@ -304,16 +280,23 @@ class Context(Owned):
         """While inside, a ``decode`` stops early (``DecodeAbortedError``) once ``token`` is cancelled; the
         ubatches it processed stay in the memory, which the next generation clears or trims."""
         checks.instance("token", token, CancelToken)
+        flag = ffi.new("int32_t *")  # kept alive by the listener's closure: a late cancel writes valid memory
+
+        def raise_flag() -> None:
+            flag[0] = 1
+
+        forget = token.on_cancel(raise_flag)  # raised at once when the token is already cancelled
         with self._lock:
-            lib.llama_set_abort_callback(self.ptr, _CANCEL_REQUESTED, token._flag)
-            self._abort_token = token  # the flag's memory must outlive the callback's use of it
+            lib.llama_set_abort_callback(self.ptr, _CANCEL_REQUESTED, flag)
+            self._abort_flag = flag  # the flag's memory must outlive the callback's use of it
         try:
             yield token
         finally:
+            forget()
             with self._lock:
                 if not self.closed:
                     lib.llama_set_abort_callback(self._ptr, ffi.NULL, ffi.NULL)
-                self._abort_token = None
+                self._abort_flag = None
 
     # --- decode ------------------------------------------------------------------------
     def embd_batch(self, width: int | None = None) -> EmbdBatch:

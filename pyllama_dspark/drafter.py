@@ -196,6 +196,7 @@ class DSparkDrafter:
             False bring its logits within ~1e-6 of a float reference.
         n_seq_max: sequences (default: the target's n_seq_max): sequence i drafts for the target's sequence i,
             and ``propose_many`` drafts for several in one decode. ``n_ctx`` is then per sequence.
+        header: the drafter file's ``read_header(path)``, when the caller has read it (not read again).
 
     Raises:
         DrafterError: see ``inspect_drafter``; ValueError: p_min with no confidence head, or n_ctx too small.
@@ -207,12 +208,12 @@ class DSparkDrafter:
 
     def __init__(self, path, target: Context, *, n_ctx: int | None = None, n_batch: int | None = None,
                  n_threads: int | None = None, n_gpu_layers: int = 0, p_min: float = 0.0, kv_type: str = "f16",
-                 flash_attn: bool | None = None, n_seq_max: int | None = None):
+                 flash_attn: bool | None = None, n_seq_max: int | None = None, header=None):
         target.ptr  # a closed target raises ClosedHandleError before anything is loaded
         # A target on RPC servers: the drafter's model gets the same devices (its own layers stay local unless
         # n_gpu_layers says otherwise), so its context can run the target tensors it borrows (the token
         # embeddings, a full-vocabulary drafter's output head) where they live.
-        self.model = Model(path, n_gpu_layers=n_gpu_layers, rpc_servers=target.model.rpc_servers)
+        self.model = Model(path, n_gpu_layers=n_gpu_layers, rpc_servers=target.model.rpc_servers, header=header)
         try:
             self.info = inspect_drafter(self.model, target.model)
             if p_min > 0.0 and not self.info.has_confidence:

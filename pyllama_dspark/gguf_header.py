@@ -14,6 +14,7 @@ section, which starts at the next multiple of ``general.alignment`` (32 by defau
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -55,9 +56,10 @@ class TensorInfo:
 class GGUFHeader:
     """Metadata and tensor table of a GGUF file (the file stays memory-mapped while this object lives)."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, file=None):
+        """``file``: the path already open for reading in binary (not opened again; left open)."""
         self.path = Path(path)
-        with open(self.path, "rb") as fh:
+        with contextlib.nullcontext(file) if file is not None else open(self.path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size < 24:
                 raise GGUFFormatError(f"{self.path.name}: {size} bytes is too short for a GGUF header")

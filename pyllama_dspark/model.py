@@ -16,6 +16,7 @@ from . import chat as chat_templates
 from ._lib import ffi, lib
 from ._owned import Owned
 from .errors import InvalidBatchError, LlamaError, ModelLoadError
+from .gguf_header import GGUFHeader
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -54,6 +55,8 @@ class Model(Owned):
             would abort the process).
         tensor_split: the share of the offloaded layers per RPC device, in ``rpc_servers`` order, as llama.cpp's
             ``--tensor-split`` (default: by the devices' free memory).
+        header: the file's header as ``read_header(path)`` returned it, when the caller read it already (the
+            file is then not opened again in Python).
 
     Raises:
         FileNotFoundError: the file does not exist.
@@ -72,7 +75,7 @@ class Model(Owned):
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int | None = None, vocab_only: bool = False,
                  use_extra_bufts: bool = False, rpc_servers: Sequence[str] = (),
-                 tensor_split: Sequence[float] | None = None):
+                 tensor_split: Sequence[float] | None = None, header=None):
         self.path = Path(path)
         self.vocab_only = bool(vocab_only)
         self.use_extra_bufts = bool(use_extra_bufts)
@@ -82,7 +85,11 @@ class Model(Owned):
         self.n_gpu_layers = int(n_gpu_layers)
         if tensor_split is not None and not self.rpc_servers:
             raise ValueError("tensor_split needs rpc_servers (it splits the offloaded layers between their devices)")
-        header = _check_gguf_file(self.path)
+        if header is None:
+            header = _check_gguf_file(self.path)
+        elif not isinstance(header, GGUFHeader) or header.path != self.path:
+            raise ValueError(f"header must be read_header({str(self.path)!r}), got "
+                             f"{getattr(header, 'path', header)!r}'s")
         params = lib.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers
         params.vocab_only = bool(vocab_only)
@@ -373,6 +380,16 @@ def _model_buffer_sizes(lines: Sequence[str]) -> dict[str, float]:
     return sizes
 
 
+def read_header(path: str | os.PathLike):
+    """A model file's GGUF header, checked as ``Model`` checks it before loading; hand it to ``Model(path,
+    header=...)`` (and ``DSparkDrafter``) so the file is opened once (``load`` does).
+
+    Raises:
+        FileNotFoundError, ModelLoadError: as ``Model``.
+    """
+    return _check_gguf_file(Path(path))
+
+
 def _check_gguf_file(path: Path):
     """The file's parsed header, after the checks llama.cpp would fail an assertion on (and abort) rather than
     return an error: a header our reader cannot walk, and metadata numbers that are NaN or infinite, or a
@@ -383,14 +400,14 @@ def _check_gguf_file(path: Path):
         raise FileNotFoundError(f"model file not found: {str(path)!r}")
     if not path.is_file():
         raise ModelLoadError(f"not a file: {str(path)!r}", op="open")
-    with open(path, "rb") as fh:
+    with open(path, "rb") as fh:  # the one open of the file in Python: the header maps this handle
         magic = fh.read(4)
-    if magic != _GGUF_MAGIC:
-        raise ModelLoadError(f"{str(path)!r} is not a GGUF file (magic {magic!r})", op="open")
-    try:
-        header = GGUFHeader(path)
-    except GGUFFormatError as exc:
-        raise ModelLoadError(str(exc), op="open") from None
+        if magic != _GGUF_MAGIC:
+            raise ModelLoadError(f"{str(path)!r} is not a GGUF file (magic {magic!r})", op="open")
+        try:
+            header = GGUFHeader(path, file=fh)
+        except GGUFFormatError as exc:
+            raise ModelLoadError(str(exc), op="open") from None
     for key, value in header.fields.items():
         values = value if isinstance(value, np.ndarray) and value.dtype.kind == "f" else [value]
         if any(isinstance(v, (float, np.floating)) and not np.isfinite(v) for v in values):

@@ -288,3 +288,31 @@ def test_every_field_of_every_completion_dict_on_every_finish_path(target, eog_t
     wanted.append(chunk(None, finish_reason))
     assert events[-1].finish_reason == finish_reason
     assert chunks == wanted
+
+
+_WATCHED_OPENS: dict[str, list] = {}
+
+
+def _count_opens(event: str, args) -> None:
+    if event == "open" and args and str(args[0]) in _WATCHED_OPENS:
+        _WATCHED_OPENS[str(args[0])].append(args)
+
+
+def test_a_load_opens_the_drafter_file_once_in_python(target, drafter_path):
+    """``load(target, drafter)`` reads the drafter's GGUF header once (block size, Model's checks, the drafter's
+    checks) and hands it down; a batch scheduler's drafter takes the same header. llama.cpp's own read of the
+    weights (native, not audited) is the only other."""
+    import sys
+
+    sys.addaudithook(_count_opens)  # audit hooks cannot be removed: this one counts only watched paths
+    _WATCHED_OPENS[str(drafter_path)] = []
+    try:
+        with pyllama_dspark.load(target, drafter_path, n_ctx=256) as llm:
+            assert len(_WATCHED_OPENS[str(drafter_path)]) == 1
+            llm.batch_scheduler(2)
+            assert len(_WATCHED_OPENS[str(drafter_path)]) == 1
+            assert llm.generate(PROMPT, max_tokens=4).tokens  # the drafter works
+        with pytest.raises(ValueError, match="header must be read_header"):
+            Model(target, header=pyllama_dspark.model.read_header(drafter_path))
+    finally:
+        del _WATCHED_OPENS[str(drafter_path)]

@@ -88,3 +88,84 @@ def test_cancel_argument_is_type_checked(target):
     with pyllama_dspark.load(target, n_ctx=256) as llm:
         with pytest.raises(TypeError, match="cancel must be a CancelToken"):
             llm.generate(PROMPT, max_tokens=2, cancel=True)
+
+
+def test_a_token_calls_each_listener_once_and_a_taken_back_one_never():
+    token = CancelToken()
+    calls = []
+    first = token.on_cancel(lambda: calls.append("first"))
+    token.on_cancel(lambda: calls.append("second"))
+    taken = token.on_cancel(lambda: calls.append("taken back"))
+    taken()
+    assert calls == [] and not token.cancelled
+    token.cancel()
+    token.cancel()  # a second cancel calls nobody again
+    assert calls == ["first", "second"] and token.cancelled and token.wait(0)
+    first()  # taking back a listener that ran is a no-op
+    token.on_cancel(lambda: calls.append("late"))  # registered after the cancel: called at once
+    assert calls == ["first", "second", "late"]
+
+
+def test_a_context_leaves_no_listener_on_the_token_and_a_late_cancel_is_harmless(target):
+    with Model(target) as model:
+        ctx = Context(model, n_ctx=256)
+        token = CancelToken()
+        with ctx.abortable(token):
+            assert len(token._listeners) == 1
+        assert token._listeners == []
+        token.cancel()  # after the block: no flag is written, the next decode runs
+        batch = Batch(8)
+        batch.add_tokens(np.arange(10, 18), 0, logits="last")
+        ctx.decode(batch)
+        ctx.close()
+
+
+def _native_modules() -> set[str]:
+    import ast
+    from pathlib import Path
+
+    package = Path(pyllama_dspark.__file__).parent
+    out = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "_lib":
+                out.add(path.relative_to(package).with_suffix("").as_posix().replace("/", "."))
+    return out
+
+
+def _imports(module: str) -> set[str]:
+    """The package modules a module imports at its top level (relative imports; the package itself left out)."""
+    import ast
+    from pathlib import Path
+
+    package = Path(pyllama_dspark.__file__).parent
+    path = package / (module.replace(".", "/") + ".py")
+    if not path.exists():
+        path = package / module.replace(".", "/") / "__init__.py"
+    parent = module.split(".")[:-1] if path.name != "__init__.py" else module.split(".")
+    out = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = parent[:len(parent) - (node.level - 1)]
+            names = [".".join(base + [node.module])] if node.module else [".".join(base + [a.name]) for a in node.names]
+            for name in names:
+                name = name.strip(".")
+                if name and ((package / (name.replace(".", "/") + ".py")).exists()
+                             or (package / name.replace(".", "/")).is_dir()):
+                    out.add(name)
+    return out
+
+
+@pytest.mark.parametrize("module", ["server.engine", "server.app", "server.protocol", "server.metrics"])
+def test_the_server_imports_no_module_that_calls_native_code(module):
+    """The engine holds CancelTokens, requests and events; none of what it imports (all the way down) owns
+    native code. ``server/__init__``'s loader imports the facade inside a function, when the model loads."""
+    native = _native_modules()
+    assert {"context", "model", "batch"} <= native  # the scan sees the native modules
+    seen, todo = set(), [module]
+    while todo:
+        for name in _imports(todo.pop()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    assert not seen & native, f"{module} imports {sorted(seen & native)}"

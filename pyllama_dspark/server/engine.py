@@ -23,9 +23,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import checks
-from ..batching import MAX_EXACT_ROWS, BatchRequest
-from ..context import CancelToken
-from ..generate import OutputRules, TokenEvent, output_options, sampling_params
+from ..cancel import CancelToken
+from ..events import MAX_EXACT_ROWS, BatchRequest, OutputRules, TokenEvent, output_options, sampling_params
 from ..sampling import Sampler
 
 
