@@ -321,6 +321,11 @@ class BatchScheduler:
             self._save_slot(slot, keep if saved is None else 0)
             if saved is not None:
                 self._restore_slot(slot, saved, keep)
+                if not self._window_holds(self.ctx.seq_pos_min(slot), keep):
+                    # a window-sized sliding-window cache restores only the last window of the copy: the prompt is
+                    # prefilled whole instead (cutting there would raise MemoryOpError)
+                    self._forget_slot(slot)
+                    keep = 0
             if keep:
                 self.ctx.seq_rm(slot, keep, -1)  # the drafter drops its stale part when the prefill feeds it
             elif len(self._held[slot]):
@@ -356,10 +361,13 @@ class BatchScheduler:
         if len(held) == 0 or self.ctx.seq_pos_max(slot) != len(held) - 1:
             return 0
         keep = self._reusable(held, tokens)
+        return keep if self._window_holds(self.ctx.seq_pos_min(slot), keep) else 0
+
+    def _window_holds(self, pos_min: int, keep: int) -> bool:
+        """Whether a memory whose lowest position is ``pos_min`` can be cut to ``keep`` tokens and decoded on: a
+        window-sized sliding-window cache (``swa_full=False``) must still hold the window of position ``keep``."""
         n_swa = self.ctx.model.n_swa
-        if keep and n_swa and not self.ctx.swa_full and self.ctx.seq_pos_min(slot) > max(0, keep - n_swa + 1):
-            return 0  # a window-sized sliding-window cache no longer holds the window of the first position decoded
-        return keep
+        return not (keep and n_swa and not self.ctx.swa_full and pos_min > max(0, keep - n_swa + 1))
 
     def _reusable(self, held: np.ndarray, tokens: np.ndarray) -> int:
         """Leading prompt tokens a memory holding ``held`` keeps: the common prefix, short of the prompt's last token
