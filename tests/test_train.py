@@ -447,3 +447,16 @@ def test_training_raises_held_out_acceptance_and_output_stays_exact(tmp_path, mo
     # the data phase used the capture API: f16 taps + last layer, (n_taps + 1) * n_embd * 2 bytes per token, plus
     # the teacher's top 32 (int32 id + f16 probability) per generated token
     assert trained.data["bytes_per_token"] < (3 * 64 * 2 + 32 * 6) * 1.2
+
+
+def test_without_a_markov_head_the_confidence_head_is_not_exported():
+    """The runtime reads a confidence head only as [h_k ; markov_w1[prev]]: ``--markov-rank 0`` trained to its end
+    and then failed in the converter; now the GGUF is written without the head."""
+    from pyllama_dspark.train.export import checkpoint_config
+
+    base = dict(n_embd=64, n_taps=2, n_layer=1, n_head=4, n_head_kv=2, head_dim=16, n_ff=96, n_vocab=100,
+                block_size=4, mask_token=99, eps=1e-6, rope_theta=1e4)
+    with_markov = checkpoint_config(DraftConfig(markov_rank=8, **base), (1, 2))
+    without = checkpoint_config(DraftConfig(markov_rank=0, **base), (1, 2))
+    assert with_markov["enable_confidence_head"] and with_markov["confidence_head_with_markov"]
+    assert not without["enable_confidence_head"] and not without["confidence_head_with_markov"]

@@ -33,9 +33,15 @@ def checkpoint_config(c: DraftConfig, taps: tuple[int, ...], n_vocab_draft: int 
         "vocab_size": c.n_vocab, "hidden_act": "silu",
         "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "float32",
         "block_size": c.block_size, "target_layer_ids": list(taps), "mask_token_id": c.mask_token,
-        "markov_rank": c.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": c.confidence,
-        "confidence_head_with_markov": c.confidence and c.markov_rank > 0,
+        "markov_rank": c.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": _exports_confidence(c),
+        "confidence_head_with_markov": _exports_confidence(c),
     }
+
+
+def _exports_confidence(c: DraftConfig) -> bool:
+    """The runtime graph reads a confidence head only as [h_k ; markov_w1[prev]]: without a Markov head
+    (``--markov-rank 0``) the drafter is written without one (the cost-aware loop then cuts by acceptance alone)."""
+    return c.confidence and c.markov_rank > 0
 
 
 def checkpoint_tensors(module: DSparkDraft) -> dict[str, np.ndarray]:
@@ -62,7 +68,7 @@ def checkpoint_tensors(module: DSparkDraft) -> dict[str, np.ndarray]:
     if module.markov_w1 is not None:
         out[f"{p}markov_head.markov_w1.weight"] = a(module.markov_w1)
         out[f"{p}markov_head.markov_w2.weight"] = a(module.markov_w2)
-    if module.conf_proj is not None:
+    if module.conf_proj is not None and _exports_confidence(module.c):
         out[f"{p}confidence_head.proj.weight"] = a(module.conf_proj.weight)
         out[f"{p}confidence_head.proj.bias"] = a(module.conf_proj.bias)
     if module.draft_ids is not None:
