@@ -234,6 +234,9 @@ def test_draft_vocabulary_keeps_required_tokens_then_the_most_frequent_never_the
     # required ids go in first (the mask token never), then the most frequent; ties go to the lower id
     assert choose_draft_vocab(counts, 4, required=[10, 11], mask_token=11).tolist() == [3, 4, 5, 10]
     assert choose_draft_vocab(counts, 5, required=[], mask_token=4).tolist() == [1, 3, 5, 6, 7]
+    # unseen placeholders fill after every other unseen id; a placeholder the target wrote ranks by its count
+    assert choose_draft_vocab(counts, 9, required=[], mask_token=11, last=[0, 2, 7]).tolist() == [1, *range(3, 11)]
+    assert choose_draft_vocab(counts, 10, required=[], mask_token=11, last=[0, 2]).tolist() == [0, 1, *range(3, 11)]
     assert coverage(np.array([3, 4]), [3, 4, 4, 5]) == 0.75
     with pytest.raises(ValueError, match="cannot hold the 2 control"):
         choose_draft_vocab(counts, 1, required=[1, 2], mask_token=11)

@@ -224,6 +224,7 @@ def run(options: TrainOptions) -> TrainReport:
     with Model(options.target) as model:
         settings, prompts, eval_prompts = prepare(options, model)
         required = vocab.required_tokens(model) if settings.draft_vocab else set()
+        placeholders = vocab.placeholder_tokens(model) if settings.draft_vocab else set()
         if settings.draft_vocab:  # checked before any data is generated
             try:
                 vocab.check_size(settings.draft_vocab, required, settings.mask_token, model.n_vocab)
@@ -268,7 +269,7 @@ def run(options: TrainOptions) -> TrainReport:
     if options.n_threads:
         torch.set_num_threads(options.n_threads)
     frozen = load_frozen_target(options.target)
-    draft_ids = _draft_vocabulary(settings, work, records, required, len(frozen.token_embd))
+    draft_ids = _draft_vocabulary(settings, work, records, required, placeholders, len(frozen.token_embd))
     module = trainer.build_module(settings, frozen, draft_ids)
     if settings.init_layer >= 0:
         trainer.init_from_target_layer(module, options.target, settings.init_layer)
@@ -328,7 +329,8 @@ def resolve_outtype(outtype: str, work: WorkDir) -> str:
     return outtype
 
 
-def _draft_vocabulary(settings: TrainSettings, work: WorkDir, records, required: set[int], n_vocab: int):
+def _draft_vocabulary(settings: TrainSettings, work: WorkDir, records, required: set[int], placeholders: set[int],
+                      n_vocab: int):
     """The reduced draft vocabulary's sorted target ids (None for the whole vocabulary): chosen once from the
     training data's target outputs and kept in train/draft_vocab.json, so a resumed run trains the same rows."""
     if not settings.draft_vocab:
@@ -340,7 +342,8 @@ def _draft_vocabulary(settings: TrainSettings, work: WorkDir, records, required:
         return np.asarray(json.loads(path.read_text())["ids"], dtype=np.int64)
     counts = vocab.output_counts(((r.tokens, r.prompt_len) for r in records), n_vocab)
     try:
-        ids = vocab.choose_draft_vocab(counts, settings.draft_vocab, required, settings.mask_token)
+        ids = vocab.choose_draft_vocab(counts, settings.draft_vocab, required, settings.mask_token,
+                                          last=placeholders)
     except ValueError as exc:
         raise TrainError(f"--draft-vocab: {exc}") from None
     work.train.mkdir(parents=True, exist_ok=True)

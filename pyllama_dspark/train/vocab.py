@@ -27,13 +27,19 @@ def is_placeholder(text: str) -> bool:
     return PLACEHOLDER.match(text) is not None
 
 
+def placeholder_tokens(model) -> set[int]:
+    """The control tokens of ``model`` that are placeholders (see :func:`is_placeholder`)."""
+    return {t for t in range(model.n_vocab)
+            if model.is_control(t) and is_placeholder(model.detokenize([t], unparse_special=True))}
+
+
 def required_tokens(model) -> set[int]:
     """Ids a draft vocabulary always keeps: control/special tokens but placeholders, end-of-generation tokens,
     and every token of a chat rendered with the model's template (role markers, separators, its default system
     prompt)."""
     n_vocab = model.n_vocab
-    keep = {t for t in range(n_vocab)
-            if model.is_eog(t) or (model.is_control(t) and not is_placeholder(model.detokenize([t], unparse_special=True)))}
+    placeholders = placeholder_tokens(model)
+    keep = {t for t in range(n_vocab) if model.is_eog(t) or (model.is_control(t) and t not in placeholders)}
     keep |= {t for t in model.special_tokens.values() if 0 <= t < n_vocab}
     if model.chat_template is not None:
         chat = [{"role": "system", "content": "Hi."}, {"role": "user", "content": "Hi."},
@@ -52,16 +58,22 @@ def output_counts(sequences: Iterable[tuple[np.ndarray, int]], n_vocab: int) -> 
     return counts
 
 
-def choose_draft_vocab(counts: np.ndarray, size: int, required: Iterable[int], mask_token: int) -> np.ndarray:
+def choose_draft_vocab(counts: np.ndarray, size: int, required: Iterable[int], mask_token: int,
+                       last: Iterable[int] = ()) -> np.ndarray:
     """The ``size`` ids to keep, sorted: every required id (but the mask token), then the most frequent others
-    (ties broken by the lower id, so the choice is a pure function of the counts).
+    (ties broken by the lower id, so the choice is a pure function of the counts). Ids in ``last`` (placeholders)
+    that never occur in ``counts`` come after every other unseen id: a vocabulary larger than the tokens seen
+    fills with real tokens first.
 
     Raises:
         ValueError: ``size`` outside [1, n_vocab - 1], or smaller than the required ids.
     """
     n_vocab = len(counts)
     must = check_size(size, required, mask_token, n_vocab)
-    order = np.lexsort((np.arange(n_vocab), -counts))  # most frequent first, then by id
+    unseen_last = np.zeros(n_vocab, dtype=bool)
+    unseen_last[[int(t) for t in last if 0 <= int(t) < n_vocab]] = True
+    unseen_last &= counts == 0
+    order = np.lexsort((np.arange(n_vocab), unseen_last, -counts))  # most frequent first, then by id
     taken = np.zeros(n_vocab, dtype=bool)
     taken[must] = True
     taken[int(mask_token)] = True  # never drafted, so never kept
