@@ -22,25 +22,32 @@ import numpy as np
 
 from .errors import CaptureError
 
-# Architectures whose graphs expose every layer output (patches 0002 and, for gemma3, 0025).
-CAPTURE_ARCHS = ("llama", "qwen3", "qwen35", "gemma3")
+# Architectures whose graphs set every layer output as a tap and keep their last layer dense when a dense
+# capture asks for it (patches 0002 and, for gemma3, 0025): capture in any form, and `train`, which captures
+# its taps and the last layer densely. Any other graph is probed by llama_set_capture_layers (patch 0027): a
+# layer output named "l_out" (upstream's convention, most architectures) is captured, except the last layer
+# densely where the graph runs it on the output rows only (ERR_DENSE_LAST). Tested beyond these: qwen2.
+TAPPED_ARCHS = ("llama", "qwen3", "qwen35", "gemma3")
 MAX_CAPTURE_LAYERS = 64
 
 # llama_dspark_capture_status (include/llama-dspark.h)
 ERR_LAYER_RANGE, ERR_DUPLICATE, ERR_TOO_MANY, ERR_ARCH, ERR_NULL, ERR_CONTEXT_TYPE = -1, -2, -3, -4, -5, -6
+ERR_DENSE_LAST = -7
 _MEANINGS = {
     ERR_LAYER_RANGE: "layer id out of range",
     ERR_DUPLICATE: "duplicate layer id",
     ERR_TOO_MANY: "too many layers",
-    ERR_ARCH: "architecture without capture taps",
+    ERR_ARCH: "the model's graph marks no output of a listed layer (no capture tap, no \"l_out\" name)",
     ERR_NULL: "no layer ids",
     ERR_CONTEXT_TYPE: "not a decoder context",
+    ERR_DENSE_LAST: "dense capture of the last layer, which this architecture's graph runs on the output rows "
+                    "only (capture it with masked=True, or capture an earlier layer)",
 }
 
 
-def check_layer_ids(layer_ids: Sequence[int], *, n_layer: int, arch: str) -> list[int]:
+def check_layer_ids(layer_ids: Sequence[int], *, n_layer: int) -> list[int]:
     """Validate capture layer ids (HF output convention: 0 .. n_layer-1); raise CaptureError with the code
-    the native call would return."""
+    the native call would return. Whether the graph has the taps is the native call's probe."""
     if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in layer_ids):
         raise CaptureError(f"layer ids must be integers, got {list(layer_ids)!r}", op="set_capture_layers",
                            code=ERR_LAYER_RANGE)
@@ -48,9 +55,6 @@ def check_layer_ids(layer_ids: Sequence[int], *, n_layer: int, arch: str) -> lis
     if len(ids) > min(n_layer, MAX_CAPTURE_LAYERS):
         raise CaptureError(f"cannot capture {len(ids)} layers: the model has {n_layer} (at most "
                            f"{MAX_CAPTURE_LAYERS})", op="set_capture_layers", code=ERR_TOO_MANY)
-    if ids and arch not in CAPTURE_ARCHS:
-        raise CaptureError(f"architecture {arch!r} has no capture taps (supported: {', '.join(CAPTURE_ARCHS)})",
-                           op="set_capture_layers", code=ERR_ARCH)
     for pos, layer in enumerate(ids):
         if not 0 <= layer < n_layer:
             raise CaptureError(f"layer id {layer} outside [0, {n_layer}) (ids are layer outputs, HF "

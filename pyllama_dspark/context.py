@@ -400,13 +400,14 @@ class Context(Owned):
             masked: rows only for tokens with the logits flag (True) or for every token (False).
 
         Raises:
-            CaptureError: (a ValueError) out-of-range or duplicate ids, too many layers, an architecture
-                without taps; ``code`` is the native llama_dspark_capture_status.
+            CaptureError: (a ValueError) out-of-range or duplicate ids, too many layers, a graph that marks
+                no output of a listed layer, dense capture of a last layer the graph narrows to the output rows
+                (architectures outside capture.TAPPED_ARCHS); ``code`` is the native llama_dspark_capture_status.
         """
         if self.model.vocab_only and len(layer_ids):
             raise CaptureError("a vocab-only model's context has no memory: its decode runs encode, which captures "
                                "nothing", op="set_capture_layers", code=_capture.ERR_CONTEXT_TYPE)
-        ids = _capture.check_layer_ids(layer_ids, n_layer=self.model.n_layer, arch=self.model.arch)
+        ids = _capture.check_layer_ids(layer_ids, n_layer=self.model.n_layer)
         arr = ffi.new("int32_t[]", ids or [0])
         _log.clear()
         rc = lib.llama_set_capture_layers(self.ptr, arr, len(ids), bool(masked))

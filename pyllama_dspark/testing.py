@@ -1,7 +1,9 @@
 """Tiny deterministic random-weight GGUF models for tests.
 
 The kit writes small *target* models for the three architectures the package
-drives (``llama``, ``qwen3`` and the hybrid ``qwen35``) with nothing but numpy
+drives (``llama``, ``qwen3`` and the hybrid ``qwen35``), and ``qwen2`` (llama's
+layers with Q/K/V biases and half-split RoPE), whose graph has no capture taps of
+ours and is captured through upstream's ``l_out`` names, with nothing but numpy
 and the ``gguf`` package, so tests never need a download or torch.
 
 Design points:
@@ -12,7 +14,7 @@ Design points:
   ``output_norm``) ``tie_embeddings``: adding layers, changing the architecture
   or the storage dtype of other tensors leaves it unchanged.
 * Tensor names, shapes and metadata keys follow the vendored llama.cpp loader
-  (``src/models/{llama,qwen3,qwen35}.cpp``, ``src/llama-arch.cpp``). Keys are
+  (``src/models/{llama,qwen3,qwen35,qwen2}.cpp``, ``src/llama-arch.cpp``). Keys are
   written as explicit strings with explicit GGUF value types, because the C++
   loader checks value types strictly and older ``gguf`` releases lack some of
   the qwen35 helpers.
@@ -78,7 +80,7 @@ __all__ = [
     "default_dspark_target_layer_ids",
 ]
 
-ARCHS = ("llama", "qwen3", "qwen35")
+ARCHS = ("llama", "qwen3", "qwen35", "qwen2")
 VOCABS = ("none", "llama-spm")
 DTYPES = ("f32", "f16")
 
@@ -389,6 +391,17 @@ def _block_defs(spec: TinySpec, dims: _Dims, il: int) -> list[_TensorDef]:
             _norm(f"blk.{il}.ffn_norm.weight", spec.n_embd),
             *_ffn_defs(spec, il),
         ]
+    if spec.arch == "qwen2":
+        q_dim, kv_dim = dims.head_dim * spec.n_head, dims.head_dim * spec.n_head_kv
+        return [
+            attn_norm,
+            *_attention_defs(spec, dims, il, 1),
+            _TensorDef(f"blk.{il}.attn_q.bias", (q_dim,), "bias"),
+            _TensorDef(f"blk.{il}.attn_k.bias", (kv_dim,), "bias"),
+            _TensorDef(f"blk.{il}.attn_v.bias", (kv_dim,), "bias"),
+            _norm(f"blk.{il}.ffn_norm.weight", spec.n_embd),
+            *_ffn_defs(spec, il),
+        ]
     if spec.arch == "qwen3":
         return [
             attn_norm,
@@ -447,6 +460,9 @@ def _init_values(d: _TensorDef, spec: TinySpec) -> np.ndarray:
         # e_t, so a positive g makes every token predict itself. Weights of
         # random sign remove that bias; the scale gives logits of std about 2.
         return z * np.float32(spec.logit_std / (_TIED_EMBD_STD * math.sqrt(d.shape[-1])))
+    if d.kind == "bias":
+        # large enough that a bias dropped or added twice shows in a reference comparison
+        return np.float32(0.5) * z
     if d.kind == "conv":
         return z * np.float32(1.0 / math.sqrt(d.shape[-1]))
     if d.kind == "ssm_a":

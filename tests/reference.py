@@ -1,4 +1,4 @@
-"""Independent float64 numpy forward pass of the tiny ``llama``, ``qwen3`` and ``qwen35`` target models.
+"""Independent float64 numpy forward pass of the tiny ``llama``, ``qwen3``, ``qwen35`` and ``qwen2`` target models.
 
 The math mirrors the vendored llama.cpp graphs (``src/models/llama.cpp``,
 ``src/models/qwen3.cpp`` and ``src/models/qwen35.cpp``) for the models
@@ -10,6 +10,7 @@ The math mirrors the vendored llama.cpp graphs (``src/models/llama.cpp``,
 * grouped-query attention (query head ``j`` reads KV head ``j // (n_head / n_head_kv)``),
   causal over positions ``0..n_tokens-1``, scores scaled by ``1/sqrt(head_dim)``;
 * qwen3 only: per-head RMSNorm of Q and K (``attn_q_norm``/``attn_k_norm``) before RoPE;
+* qwen2 only: biases on Q, K and V (``attn_{q,k,v}.bias``); it rotates like qwen3 (NEOX);
 * RoPE as ``ggml_rope_ext`` with ``n_dims = {arch}.rope.dimension_count`` and
   ``theta_i = pos * freq_base**(-2i/n_dims)``: llama uses LLAMA_ROPE_TYPE_NORM
   (rotates adjacent pairs ``(2i, 2i+1)``), qwen3 uses LLAMA_ROPE_TYPE_NEOX (rotates
@@ -60,10 +61,10 @@ import numpy as np
 from pyllama_dspark import testing
 from pyllama_dspark.testing import TinySpec, load_tiny_weights
 
-ARCHS = ("llama", "qwen3", "qwen35")
+ARCHS = ("llama", "qwen3", "qwen35", "qwen2")
 # llama.cpp's rope type per architecture (llama_model_rope_type): NEOX rotates half-split pairs,
 # and so does qwen35's IMROPE (it only changes which position each pair rotates by)
-_ROPE_NEOX = {"llama": False, "qwen3": True, "qwen35": True}
+_ROPE_NEOX = {"llama": False, "qwen3": True, "qwen35": True, "qwen2": True}
 
 
 @dataclass
@@ -183,9 +184,10 @@ def _rope(x: np.ndarray, n_rot: int, freq_base: float, neox: bool, sections: Seq
 
 def _attention(x: np.ndarray, w: Mapping[str, np.ndarray], p: str, hp: _HParams, arch: str) -> np.ndarray:
     n_tokens = x.shape[0]
-    q = (x @ w[p + "attn_q.weight"].T).reshape(n_tokens, hp.n_head, -1)
-    k = (x @ w[p + "attn_k.weight"].T).reshape(n_tokens, hp.n_head_kv, hp.head_dim)
-    v = (x @ w[p + "attn_v.weight"].T).reshape(n_tokens, hp.n_head_kv, hp.head_dim)
+    q, k, v = (x @ w[p + f"attn_{name}.weight"].T + w.get(p + f"attn_{name}.bias", 0.0) for name in "qkv")
+    q = q.reshape(n_tokens, hp.n_head, -1)
+    k = k.reshape(n_tokens, hp.n_head_kv, hp.head_dim)
+    v = v.reshape(n_tokens, hp.n_head_kv, hp.head_dim)
     gate = None
     if arch == "qwen35":
         # attn_q is twice as wide: each head's query is followed by its output gate

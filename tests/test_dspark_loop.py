@@ -1,5 +1,6 @@
 """End to end: a tiny DSpark drafter (HF checkpoint -> our converter -> GGUF) speculating for tiny llama,
-qwen3 and qwen35 targets: the output is plain greedy decoding, token for token."""
+qwen3 and qwen35 targets, and qwen2, whose taps are its graph's "l_out" tensors (patch 0027): the output is
+plain greedy decoding, token for token."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ PROMPTS = [
 N_TOKENS = 128
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=[*ARCHS, "qwen2"])
 def target_and_drafter(request, model_dir, tmp_path_factory):
     spec = TinySpec(arch=request.param, n_layer=3)
     target = tiny_model(spec, cache_dir=model_dir)

@@ -322,7 +322,7 @@ def bad_input_cases(tmp: Path, target: Path, drafter_like: Path):
     base = ["--target", str(target), "--prompts", str(good), "--steps", "1", "--n-predict", "16"]
     return [
         ("architecture", ["--target", str(drafter_like), "--prompts", str(good), "--steps", "1"],
-         "not supported by the capture API"),
+         "train captures the target's last layer on every row"),
         ("tap range", base + ["--taps", "0,9"], "outside [0, 1]"),
         ("tap last layer", base + ["--taps", "2"], "last layer (2) cannot be tapped"),
         ("empty prompts", ["--target", str(target), "--prompts", str(tmp / "empty.jsonl"), "--steps", "1"],

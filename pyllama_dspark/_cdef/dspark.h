@@ -15,6 +15,7 @@ enum llama_dspark_capture_status {
     LLAMA_DSPARK_CAPTURE_ERR_ARCH          = -4,
     LLAMA_DSPARK_CAPTURE_ERR_NULL          = -5,
     LLAMA_DSPARK_CAPTURE_ERR_CONTEXT_TYPE  = -6,
+    LLAMA_DSPARK_CAPTURE_ERR_DENSE_LAST    = -7,
 };
 
 #define LLAMA_DSPARK_MAX_CAPTURE_LAYERS 64

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..capture import CAPTURE_ARCHS
+from ..capture import TAPPED_ARCHS
 
 
 class TrainError(ValueError):
@@ -125,9 +125,9 @@ def parse_taps(text: str, n_layer: int) -> tuple[int, ...]:
 
 
 def check_target_arch(arch: str) -> None:
-    if arch not in CAPTURE_ARCHS:
-        raise TrainError(f"target architecture {arch!r} is not supported by the capture API "
-                         f"(supported: {', '.join(CAPTURE_ARCHS)})")
+    if arch not in TAPPED_ARCHS:
+        raise TrainError(f"target architecture {arch!r}: train captures the target's last layer on every row, "
+                         f"which needs a graph with capture taps (supported: {', '.join(TAPPED_ARCHS)})")
 
 
 class WorkDir:
