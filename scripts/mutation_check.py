@@ -43,6 +43,8 @@ MODULES: dict[str, list[str]] = {
     "gguf_header": ["tests/test_gguf_header.py"],
     "server/protocol": ["tests/test_protocol.py"],  # test_server.py runs the same over HTTP: minutes per mutant
     "tools": ["tests/test_tools.py", "tests/test_completions.py", "tests/test_protocol.py"],
+    # the facade's plumbing against fakes; test_api.py (tiny models, the loop) would take minutes per mutant
+    "api": ["tests/test_api_plumbing.py"],
 }
 EQUIVALENT = ROOT / "tests" / "mutation_equivalent.txt"
 
