@@ -281,6 +281,7 @@ def test_train_with_a_reduced_draft_vocabulary_writes_d2t_and_stays_exact(tmp_pa
     # nearly uniform: measured 0.43)
     assert report["data"]["draft_vocab"]["size"] == 100 and report["data"]["draft_vocab"]["train_coverage"] > 100 / 256
     assert report["evaluation"]["token_match"] == 4 and report["evaluation"]["drafted"] > 0
+    assert report["evaluation"]["sources"] == ["dspark"]  # the drafter alone, never prompt lookup beside it
 
 
 def test_a_shared_data_directory_has_one_writer_and_data_limit_stops_generation(tmp_path, spm_target):

@@ -383,8 +383,9 @@ def evaluate(target: Path, drafter: Path, prompts: list[list[int]], *, n_predict
              n_threads: int | None = None) -> dict:
     """Plain vs speculative greedy decoding of held-out prompts with the exported drafter (``bench``'s loop).
 
-    Drafts a whole block every round (a fixed draft length): the figures describe the drafter, not the
-    cost-aware loop's choices, which depend on the machine's timings.
+    Drafts a whole block every round (a fixed draft length) from the drafter alone (no prompt lookup, which
+    ``run_bench`` adds by default for a drafter path): the figures describe the drafter, not the cost-aware
+    loop's choices, which depend on the machine's timings.
     """
     from ..bench import BenchSummary, run_bench
     from ..drafter import DSparkDrafter
@@ -392,10 +393,14 @@ def evaluate(target: Path, drafter: Path, prompts: list[list[int]], *, n_predict
     with Model(target) as model:
         items = [{"tokens": p} for p in prompts]
         summary = BenchSummary(list(run_bench(model, drafter, items, n_predict=n_predict, n_threads=n_threads,
-                                              n_draft=DSparkDrafter.peek_block_size(drafter),
+                                              n_draft=DSparkDrafter.peek_block_size(drafter), prompt_lookup=False,
                                               n_ctx=max(len(p) for p in prompts) + n_predict + 16)))
     d = summary.as_dict()
     accepted, reached = summary.per_position_counts()
     per_position = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
+    # the draft sources that drafted: the drafter's name alone (a report that also lists "lookup" measured the
+    # hybrid, as this evaluation did by mistake for a while)
+    sources = sorted({name for r in summary.results for name in r.stats.by_source})
     return {k: d[k] for k in ("prompts", "n_predicted", "rounds", "drafted", "accepted", "accept", "tau", "ar_tok_s",
-                              "sp_tok_s", "speedup", "token_match")} | {"per_position": per_position}
+                              "sp_tok_s", "speedup", "token_match")} | {"per_position": per_position,
+                                                                         "sources": sources}
