@@ -48,8 +48,9 @@ def _serialised(method):
     return locked
 
 
-# Architectures whose graphs expose every layer input (patch 0007 refuses the others natively too).
-_LAYER_INPUT_ARCHS = ("llama", "qwen3", "qwen35")
+# Architectures whose graphs expose every layer input (patch 0007; gemma3: patch 0025), as llama_dspark_set_
+# embeddings_layer_inp checks natively: the graphs that set capture taps (capture.TAPPED_ARCHS).
+_LAYER_INPUT_ARCHS = _capture.TAPPED_ARCHS
 
 
 _CANCEL_REQUESTED = ffi.addressof(lib, "pyllama_cancel_requested")

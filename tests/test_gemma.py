@@ -260,6 +260,25 @@ def test_q5_0_verify_batches_take_tinyblas_and_equal_single_tokens(gemma, text_i
     assert np.array_equal(rows, np.stack(single))
 
 
+def test_layer_input_extraction_on_gemma3_equals_the_capture_of_the_layer_before(gemma, text_ids):
+    """Upstream's per-layer input extraction (patch 0007) is open to gemma3 natively (patch 0025) and in Python:
+    the input of layer 9 is, bit for bit, the dense capture of layer 8's output."""
+    from pyllama_dspark import Batch
+
+    prompt = text_ids[:16]
+    ctx = Context(gemma, n_ctx=256)
+    try:
+        ctx.set_capture_layers([8], masked=False)
+        ctx.set_layer_input(9)
+        batch = Batch(len(prompt))
+        batch.add_tokens(prompt, 0, logits="last")
+        ctx.decode(batch)
+        np.testing.assert_array_equal(ctx.layer_input(9), ctx.capture())
+        assert ctx.capture().shape == (len(prompt), gemma.n_embd)
+    finally:
+        ctx.close()
+
+
 def test_capture_on_gemma3_dense_and_masked_and_the_last_layer_gives_the_logits(gemma, text_ids):
     """Patch 0025: capture at any layer of gemma3. Dense and masked rows of the output row are the same bits (the
     last layer narrowed to the output rows in the masked case, run on every row in the dense one); the last layer's
