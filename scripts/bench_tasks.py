@@ -158,6 +158,10 @@ def run_batched(model, drafter_path, tasks, parallels, settings, n_predict) -> d
     out = {}
     with load(model, drafter_path, **settings) as spec_llm, load(model, None, **settings) as plain_llm:
         for parallel in parallels:
+            # the first generate_batch at a parallel makes its scheduler (a context, and a drafter): not timed
+            first = prompt_text(model, next(iter(tasks.values()))[0]["messages"])
+            for llm in (plain_llm, spec_llm):
+                llm.generate_batch([first], parallel=parallel, max_tokens=4)
             for category, rows in tasks.items():
                 texts = [prompt_text(model, row["messages"]) for row in rows]
                 figures = {}
