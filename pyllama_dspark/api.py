@@ -239,16 +239,19 @@ class LLM:
 
     def batch_scheduler(self, parallel: int) -> BatchScheduler:
         """The ``BatchScheduler`` behind ``generate_batch`` and ``serve --parallel``: a second Context on this
-        model with ``parallel`` sequences of this LLM's n_ctx each, and, when this LLM drafts with a DSpark
-        drafter, a drafter for all of them (prompt lookup does not batch: a hybrid LLM batches its DSpark drafter;
-        prompt lookup alone batches plain decoding). Made once per ``parallel``, closed with the LLM."""
+        model with ``parallel`` sequences of this LLM's n_ctx each, and this LLM's draft sources for all of them:
+        its DSpark drafter's file loaded again on that context, and its prompt lookup's settings for each
+        sequence's own lookup. Made once per ``parallel``, closed with the LLM."""
         if parallel not in self._schedulers:
             settings = self._batch_settings
             dspark = self.drafter.model_drafter if isinstance(self.drafter, HybridDrafter) else self.drafter
             dspark = dspark if isinstance(dspark, DSparkDrafter) else None
+            lookup = self.drafter.lookup if isinstance(self.drafter, HybridDrafter) else self.drafter
+            lookup = lookup if isinstance(lookup, PromptLookupDrafter) else None
+            block = max(0 if dspark is None else dspark.block_size, 0 if lookup is None else lookup.block_size)
             kwargs = dict(settings["context_kwargs"])
-            if dspark is not None and (self.model.is_hybrid or self.model.is_recurrent):
-                kwargs["n_rs_seq"] = Speculator.target_rs_seq(dspark.block_size)
+            if block and (self.model.is_hybrid or self.model.is_recurrent):
+                kwargs["n_rs_seq"] = Speculator.target_rs_seq(min(settings["n_draft"] or block, block))
             kwargs.setdefault("n_batch", self.ctx.n_batch)
             ctx = Context(self.model, n_ctx=self.ctx.n_ctx_seq * parallel, n_seq_max=parallel,
                           n_threads=settings["n_threads"], **kwargs)
@@ -256,8 +259,8 @@ class LLM:
                 drafter = None if dspark is None else DSparkDrafter(
                     dspark.model.path, ctx, n_threads=settings["n_threads"], n_gpu_layers=settings["n_gpu_layers"],
                     p_min=settings["p_min"], header=dspark.model.gguf_header)
-                self._schedulers[parallel] = (BatchScheduler(ctx, drafter, n_draft=settings["n_draft"]), ctx,
-                                              drafter)
+                scheduler = BatchScheduler(ctx, drafter, n_draft=settings["n_draft"], prompt_lookup=lookup)
+                self._schedulers[parallel] = (scheduler, ctx, drafter)
             except BaseException:
                 ctx.close()
                 raise

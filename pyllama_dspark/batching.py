@@ -11,10 +11,12 @@ Why it stays exact:
   long prompt never stalls the others for more than one chunk and its cells are the solo run's bit for bit.
 
 One step (``BatchScheduler.step``): admit waiting requests into free sequences; end the cancelled ones; decode the
-next prompt chunk of one prefilling sequence (with its ``CancelToken`` as the abort flag); draft for every decoding
-sequence that drafts this round in one drafter decode (``DSparkDrafter.propose_many``); verify every decoding
-sequence's [anchor, drafts] in one target decode; accept, roll back each sequence's rejected cells, feed the drafter
-the committed rows; end the sequences that hit end-of-generation, a stop string, ``max_tokens`` or their context.
+next prompt chunk of one prefilling sequence (with its ``CancelToken`` as the abort flag); ask each decoding
+sequence's prompt lookup (when the scheduler has one: each sequence looks up its own prompt and output) and choose
+its source and draft length; draft for every sequence that drafts from the DSpark drafter in one drafter decode
+(``DSparkDrafter.propose_many``); verify every decoding sequence's [anchor, drafts] in one target decode; accept, roll
+back each sequence's rejected cells, feed the drafter and the lookup the committed rows; end the sequences that hit
+end-of-generation, a stop string, ``max_tokens`` or their context.
 A finished sequence's KV (and recurrent state) is freed at once, unless the scheduler caches prompts. Each step
 returns the new ``TokenEvent``s of every sequence, the last one of a finished sequence carrying its
 ``GenerationResult``.
@@ -31,12 +33,14 @@ With ``cache_ram_bytes``, a slot's memory that a request is about to cut or repl
 a request whose longest prefix is in such a copy has it copied back into the spare slot. So more conversations than
 slots keep their memory: with 8 clients on 4 slots, each turn would otherwise find its slot taken by another.
 
-The draft length is chosen per sequence: a fixed ``n_draft``, or the cost-aware ``DraftLengthChooser`` of that
-sequence. Its verify cost is what its rows add to the batched decode: ``VerifyCostModel`` fits each decode's time as
+The source and the draft length are chosen per sequence: a fixed ``n_draft`` (from prompt lookup where it matches,
+else from the DSpark drafter, as ``HybridDrafter.propose``), or the cost-aware ``SourceChooser`` of that sequence.
+A sequence's verify cost is what its rows add to the batched decode: ``VerifyCostModel`` fits each decode's time as
 a fixed part plus a cost per row that grows with the context the row attends to, and a sequence is charged its
 share of the fixed part plus the marginal cost of its own rows at its own context length (until the fit has
 enough steps, the share of the decode its rows are, as before). Rows are cheap in a batch, so a sequence drafts
-where its drafts pay for what they add, not for an average of everyone's decode.
+where its drafts pay for what they add, not for an average of everyone's decode. Its draft cost is its share of
+the drafter's decode (by drafted tokens), or the time of its own prompt lookup.
 """
 
 from __future__ import annotations
@@ -50,14 +54,16 @@ import numpy as np
 from . import checks
 from .batch import Batch
 from .context import Context
-from .draft_length import DraftLengthChooser
-from .drafter import Draft
+from .draft_length import SourceChooser
+from .drafter import Draft, PromptLookupDrafter
 from .errors import DecodeAbortedError, MemoryOpError
 from .events import (MAX_EXACT_ROWS, BatchRequest, CancelToken, GenerationResult, OutputRules,  # noqa: F401
                      TextStream, TokenEvent)
 from .stats import SpecStats
 
 _NOTHING = np.zeros(0, dtype=np.int64)
+_NO_DRAFT = Draft(np.zeros(0, np.int32))
+LOOKUP, DSPARK = "lookup", "dspark"  # the draft sources' names (``SpecStats.by_source``, as the single-sequence loop)
 MIN_SAVED_TOKENS = 16  # a slot's memory is copied to host memory before it is cut only when this much is cut
 
 
@@ -129,7 +135,8 @@ class VerifyCostModel:
 class BatchSequence:
     """A request inside the scheduler (its handle): ``seq_id`` once admitted, ``result`` once finished."""
 
-    def __init__(self, request: BatchRequest, text: TextStream, chooser: DraftLengthChooser | None):
+    def __init__(self, request: BatchRequest, text: TextStream, chooser: SourceChooser | None,
+                 lookup: PromptLookupDrafter | None = None):
         self.request = request
         self.rules = request.rules if request.rules is not None else OutputRules(text.model)
         self.seq_id: int | None = None
@@ -139,6 +146,9 @@ class BatchSequence:
         self.tokens: list[int] = []
         self.logprobs: list | None = None if self.rules.n_logprobs is None else []
         self.chooser = chooser
+        self.lookup = lookup  # this sequence's own prompt lookup (its prompt and output), or None
+        if lookup is not None:
+            lookup.observe(request.tokens, None, 0)
         self.prefilled = 0  # prompt tokens decoded so far (from the kept prefix on, with the prompt cache)
         self.in_memory: list[int] | None = []  # the ids the sequence's memory holds; None: unknown (an aborted decode)
         self.pos = 0  # the anchor's position, once prefilled
@@ -162,10 +172,15 @@ class BatchScheduler:
     Args:
         ctx: the target's Context, with ``n_seq_max`` sequences (one per concurrent generation) and per-sequence KV
             (the default); it is this scheduler's alone. Hybrid targets need ``n_rs_seq`` >= the drafts per round.
-        drafter: a ``DSparkDrafter`` with at least ``ctx.n_seq_max`` sequences (``n_seq_max``), or None: plain
-            decoding, batched.
+        drafter: a ``DSparkDrafter`` with at least ``ctx.n_seq_max`` sequences (``n_seq_max``), or None: no model
+            drafter (plain decoding, batched, unless ``prompt_lookup`` drafts).
+        prompt_lookup: a ``PromptLookupDrafter`` whose settings (n-gram lengths, block size) each sequence's own
+            prompt lookup takes, or None: no prompt lookup. With a drafter too, each round each sequence drafts
+            from the source that promises it the most tokens per second (a ``HybridDrafter``'s choice, per
+            sequence).
         n_draft: drafts per round per sequence; None: cost-aware per sequence.
-        max_rows: most rows in one verify decode (at most 64, where the exact mode holds).
+        max_rows: most rows in one verify decode (at most 64, where the exact mode holds; the scheduler's
+            ``max_rows`` is also at most the context's n_batch).
         cache_prompts: keep a finished sequence's memory in its slot and reuse its longest common prefix with a new
             request (the prompt cache; see the module's docstring). ``stats.n_reused`` says how many prompt tokens
             a request found there.
@@ -185,7 +200,8 @@ class BatchScheduler:
     """
 
     def __init__(self, ctx: Context, drafter=None, *, n_draft: int | None = None, max_rows: int = MAX_EXACT_ROWS,
-                 on_rows=None, cache_prompts: bool = False, min_prefix_share: float = 0.1, cache_ram_bytes: int = 0):
+                 on_rows=None, cache_prompts: bool = False, min_prefix_share: float = 0.1, cache_ram_bytes: int = 0,
+                 prompt_lookup: PromptLookupDrafter | None = None):
         checks.instance("ctx", ctx, Context)
         min_prefix_share = checks.number("min_prefix_share", min_prefix_share)
         if not 0.0 <= min_prefix_share <= 1.0:
@@ -195,24 +211,33 @@ class BatchScheduler:
             raise ValueError(f"max_rows must be <= {MAX_EXACT_ROWS} (the rows consistent numerics covers), got "
                              f"{max_rows}")
         self.n_slots = ctx.n_seq_max
-        if self.n_slots > max_rows:
-            raise ValueError(f"{self.n_slots} sequences cannot share a verify of {max_rows} rows")
+        rows = min(max_rows, ctx.n_batch)  # one decode takes at most n_batch tokens
+        if self.n_slots > rows:
+            raise ValueError(f"{self.n_slots} sequences cannot share a verify of {rows} rows (max_rows={max_rows}, "
+                             f"the context's n_batch={ctx.n_batch})")
+        max_rows = rows
+        if prompt_lookup is not None:
+            checks.instance("prompt_lookup", prompt_lookup, PromptLookupDrafter, "PromptLookupDrafter() or None")
+        self.sources: dict[str, int] = {}  # source -> most drafts per round (prompt lookup first: it is free)
+        if prompt_lookup is not None:
+            self.sources[LOOKUP] = int(prompt_lookup.block_size)
         if drafter is not None:
             if not hasattr(drafter, "propose_many"):
                 raise TypeError(f"drafter must draft for several sequences (DSparkDrafter), got "
-                                f"{type(drafter).__name__}")
+                                f"{type(drafter).__name__} (prompt lookup batches as prompt_lookup=)")
             if drafter.n_seq_max < self.n_slots:
                 raise ValueError(f"the drafter has {drafter.n_seq_max} sequences, the target context "
                                  f"{self.n_slots}: create it with n_seq_max={self.n_slots}")
-            block = drafter.block_size
-            n_draft = checks.optional_integer("n_draft", n_draft, minimum=0)
-            self.n_draft = block if n_draft is None else min(n_draft, block)
-            if (ctx.model.is_recurrent or ctx.model.is_hybrid) and ctx.n_rs_seq < self.n_draft:
-                raise ValueError(f"{ctx.model.arch} target needs n_rs_seq >= {self.n_draft} for rollback")
+            self.sources[DSPARK] = int(drafter.block_size)
+        n_draft = checks.optional_integer("n_draft", n_draft, minimum=0)
+        block = max(self.sources.values(), default=0)
+        self.n_draft = block if n_draft is None else min(n_draft, block)
+        if self.n_draft and (ctx.model.is_recurrent or ctx.model.is_hybrid) and ctx.n_rs_seq < self.n_draft:
+            raise ValueError(f"{ctx.model.arch} target needs n_rs_seq >= {self.n_draft} for rollback")
+        if drafter is not None:
             ctx.set_capture_layers(list(drafter.capture_layers), masked=False)
-        else:
-            self.n_draft = 0
-        self.cost_aware = drafter is not None and n_draft is None
+        self.cost_aware = bool(self.sources) and n_draft is None
+        self.prompt_lookup = prompt_lookup
         self.ctx, self.drafter, self.max_rows, self.on_rows = ctx, drafter, max_rows, on_rows
         self._capturing = bool(ctx.capture_layers)
         self.verify_costs = VerifyCostModel()
@@ -247,8 +272,11 @@ class BatchScheduler:
             raise ValueError("empty prompt: give at least one token")
         if len(request.tokens) >= n_ctx:
             raise ValueError(f"prompt of {len(request.tokens)} tokens does not fit a sequence's context of {n_ctx}")
-        chooser = DraftLengthChooser(self.n_draft) if self.cost_aware else None
-        seq = BatchSequence(request, TextStream(self.ctx.model, request.stop), chooser)
+        chooser = SourceChooser(self.sources) if self.cost_aware else None
+        template = self.prompt_lookup
+        lookup = None if template is None else PromptLookupDrafter(
+            ngram_max=template.ngram_max, ngram_min=template.ngram_min, block_size=template.block_size)
+        seq = BatchSequence(request, TextStream(self.ctx.model, request.stop), chooser, lookup)
         self._waiting.append(seq)
         return seq
 
@@ -462,13 +490,16 @@ class BatchScheduler:
 
     def _round(self, decoding: list[BatchSequence], events) -> None:
         n_ctx = self.ctx.n_ctx_seq
-        plans = {}
+        plans, sources, offers, t_lookup = {}, {}, {}, {}
         for seq in decoding:
             n_left = seq.request.max_tokens - len(seq.tokens)
             n_max = min(self.n_draft, n_ctx - seq.pos - 1, n_left - 1)
-            plans[seq] = 0 if n_max <= 0 else (seq.chooser.plan(n_max) if seq.chooser is not None else n_max)
+            t0 = time.perf_counter()
+            offers[seq] = self._offers(seq, n_max)
+            t_lookup[seq] = time.perf_counter() - t0
+            sources[seq], plans[seq] = self._plan(seq, offers[seq], n_max)
         self._fit_rows(plans)
-        drafting = [s for s in decoding if plans[s] > 0]
+        drafting = [s for s in decoding if plans[s] > 0 and sources[s] == DSPARK]
         t0 = time.perf_counter()
         drafts: dict[BatchSequence, Draft] = {}
         if drafting:
@@ -477,12 +508,18 @@ class BatchScheduler:
             drafts = dict(zip(drafting, made))
         t_draft = time.perf_counter() - t0
         n_drafted_all = sum(len(d.tokens) for d in drafts.values()) or 1
-        chosen, refused = {}, {}
+        draft_seconds = {}  # what each sequence's draft cost: its share of the drafter's decode, or its lookup
+        chosen, refused, n_drafted = {}, {}, {}
         for seq in decoding:
-            draft = drafts.get(seq, Draft(np.zeros(0, np.int32)))
-            k = min(plans[seq], len(draft.tokens))
+            if sources[seq] == DSPARK:
+                draft = drafts.get(seq, _NO_DRAFT)
+                draft_seconds[seq] = t_draft * len(draft.tokens) / n_drafted_all
+            else:
+                draft = (offers[seq].get(sources[seq]) if plans[seq] else None) or _NO_DRAFT
+                draft_seconds[seq] = t_lookup[seq] if plans[seq] else 0.0
+            k = n_drafted[seq] = min(plans[seq], len(draft.tokens))  # what the draft time paid for, before any cut
             if seq.chooser is not None and k:
-                k = seq.chooser.cut(draft.confidence, k, t_draft * len(draft.tokens) / n_drafted_all)
+                k = seq.chooser.choosers[sources[seq]].cut(draft.confidence, k, draft_seconds[seq])
             drafts_k, refused[seq] = seq.rules.cut_draft(np.asarray(draft.tokens[:k], dtype=np.int32), seq.stats)
             chosen[seq] = (draft, drafts_k)
         # verify: every sequence's [anchor, d0..dk-1], each at its positions in its own sequence
@@ -518,18 +555,50 @@ class BatchScheduler:
             seq.in_memory.append(int(seq.anchor))
             seq.in_memory.extend(int(t) for t in drafts_k[:n])
             rows = None if features is None else features[start:start + n + 1]
+            committed_rows = np.concatenate([[seq.anchor], drafts_k[:n]]).astype(np.int32)
             if self.drafter is not None:
-                committed_rows = np.concatenate([[seq.anchor], drafts_k[:n]]).astype(np.int32)
                 self.drafter.observe(committed_rows, rows, seq.pos, seq_id=seq.seq_id)
-            share_draft = t_draft * len(draft.tokens) / n_drafted_all
+            if seq.lookup is not None:
+                seq.lookup.observe(committed_rows, None, seq.pos)
+            share_draft = draft_seconds[seq]
             share_verify = self.verify_costs.share(t_verify, k + 1, n_rows, len(decoding), cells[seq])
-            seq.stats.observe_round(k, n, source="dspark" if len(draft.tokens) else "", t_draft=share_draft)
+            source = sources[seq]
+            seq.stats.observe_round(k, n, source=source if n_drafted[seq] else "", t_draft=share_draft)
             seq.stats.t_verify += share_verify
             if seq.chooser is not None:
-                seq.chooser.observe_round(k, n, share_draft, share_verify, k_drafted=len(draft.tokens))
+                seq.chooser.observe_round(source, k, n, share_draft, share_verify, k_drafted=n_drafted[seq])
+                for name, offer in offers[seq].items():  # a free proposal left unverified still shows how good
+                    if offer is not None and (name != source or k == 0):
+                        seq.chooser.observe_free(name, offer.tokens, committed)
             seq.pos += n + 1
             self._commit(seq, committed, [True] * n + [False], events, rows=rows, logits=logits[start:start + n + 1],
                          logprobs=logprobs)
+
+    def _offers(self, seq: BatchSequence, n_max: int) -> dict[str, Draft | None]:
+        """The sources that can draft for ``seq`` this round (as ``HybridDrafter.offers``): prompt lookup's proposal
+        when it matches, the DSpark drafter as None (it drafts on request, in the round's one drafter decode)."""
+        found: dict[str, Draft | None] = {}
+        if n_max <= 0:
+            return found
+        if seq.lookup is not None:
+            proposal = seq.lookup.propose(seq.anchor, seq.pos, n_max, sampler=seq.request.sampler)
+            if len(proposal.tokens):
+                found[LOOKUP] = proposal
+        if self.drafter is not None:
+            found[DSPARK] = None
+        return found
+
+    def _plan(self, seq: BatchSequence, offers: dict[str, Draft | None], n_max: int) -> tuple[str, int]:
+        """(source, drafts to plan) for ``seq``: its cost-aware chooser's pick, or with a fixed n_draft prompt
+        lookup's proposal when it matches, else the DSpark drafter's n_max."""
+        available = {name: min(n_max, self.sources[name]) if offer is None else len(offer.tokens)
+                     for name, offer in offers.items()}
+        if seq.chooser is not None:
+            return seq.chooser.choose(available, free=[name for name, offer in offers.items() if offer is not None])
+        if not available:
+            return "", 0
+        source = LOOKUP if LOOKUP in available else DSPARK
+        return source, available[source]
 
     def _fit_rows(self, plans: dict) -> None:
         """Fewer drafts where the batch would exceed max_rows: the longest drafts are shortened first."""

@@ -97,7 +97,7 @@ class Context(Owned):
             keeps a prefix only when its window is held (else the prompt is decoded whole).
 
     Raises:
-        ValueError: a size is not positive or n_ubatch > n_batch.
+        ValueError: a size is not positive, n_ubatch > n_batch or n_seq_max > n_batch.
         ContextInitError: llama.cpp could not create the context.
         UnsupportedModeError: consistent numerics asked for where it cannot be promised (a model loaded with
             ``use_extra_bufts=True``, a BLAS backend, a GPU backend other than Vulkan, ``flash_attn=False``
@@ -116,6 +116,8 @@ class Context(Owned):
         _check_sizes(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq_max)
         if n_ubatch > n_batch:
             raise ValueError(f"n_ubatch ({n_ubatch}) must not exceed n_batch ({n_batch})")
+        if n_seq_max > n_batch:  # llama.cpp reserves an output row per sequence within n_batch (and asserts on it)
+            raise ValueError(f"n_batch ({n_batch}) must be at least n_seq_max ({n_seq_max})")
         if n_rs_seq < 0:
             raise ValueError(f"n_rs_seq must be >= 0, got {n_rs_seq}")
         if n_rs_seq and (model.is_recurrent or model.is_hybrid) and n_rs_seq + 1 >= n_ubatch:

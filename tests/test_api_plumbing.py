@@ -647,7 +647,8 @@ def test_a_batch_scheduler_is_made_once_per_parallel_and_closed_with_the_llm():
     assert three is not two and llm.batch_scheduler(2) is two and llm.batch_scheduler(3) is three
     assert [settings for _, settings in logged("Context")] == [
         {"n_ctx": 96 * n, "n_seq_max": n, "n_threads": 3, "n_batch": 32, "kv_type": "q8_0"} for n in (2, 3)]
-    assert logged("BatchScheduler") == [(two.ctx, None, {"n_draft": 4}), (three.ctx, None, {"n_draft": 4})]
+    assert logged("BatchScheduler") == [(two.ctx, None, {"n_draft": 4, "prompt_lookup": None}),
+                                        (three.ctx, None, {"n_draft": 4, "prompt_lookup": None})]
     assert closed() == []
     llm.close()
     assert closed() == [two, two.ctx, three, three.ctx, llm.ctx, llm.model]
@@ -666,7 +667,9 @@ def test_a_dspark_llm_batches_with_its_own_dspark_drafter(kind):
     assert settings == {"n_threads": 3, "n_gpu_layers": 6, "p_min": 0.3, "header": own.model.gguf_header}
     assert settings["header"] is llm._drafter_header
     assert type(scheduler.drafter) is FakeDSpark and scheduler.drafter is not own
-    assert logged("BatchScheduler") == [(scheduler.ctx, scheduler.drafter, {"n_draft": 2})]
+    lookup = llm.drafter.lookup if kind == "hybrid" else None  # its settings are each sequence's lookup's
+    assert kind == "dspark" or type(lookup) is FakeLookup
+    assert logged("BatchScheduler") == [(scheduler.ctx, scheduler.drafter, {"n_draft": 2, "prompt_lookup": lookup})]
     assert "n_rs_seq" not in scheduler.ctx.settings
     llm.close()
     assert closed() == [scheduler, scheduler.drafter, scheduler.ctx, llm.drafter, llm.ctx, llm.model]
@@ -674,21 +677,27 @@ def test_a_dspark_llm_batches_with_its_own_dspark_drafter(kind):
 
 @pytest.mark.parametrize("drafter, settings", [(None, {"prompt_lookup": True}), (object(), {}),
                                                (object(), {"prompt_lookup": True})])
-def test_other_drafters_batch_plain_decoding(drafter, settings):
-    scheduler = make_llm(drafter, **settings).batch_scheduler(2)
+def test_other_drafters_batch_without_a_model_drafter_and_prompt_lookup_batches(drafter, settings):
+    llm = make_llm(drafter, **settings)
+    scheduler = llm.batch_scheduler(2)
     assert scheduler.drafter is None and logged("DSparkDrafter") == []
+    # prompt lookup alone, a hybrid over a drafter that is not DSpark, that drafter alone
+    lookup = llm.drafter if drafter is None else llm.drafter.lookup if settings else None
+    assert scheduler.settings["prompt_lookup"] is lookup and (lookup is None or type(lookup) is FakeLookup)
 
 
-def test_a_hybrid_memory_target_batches_with_snapshots_for_the_dspark_block():
+def test_a_hybrid_memory_target_batches_with_snapshots_for_the_larger_block():
     model = FakeModel()
     model.is_hybrid = True
     scheduler = make_llm("drafter.gguf", model=model).batch_scheduler(2)
-    assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 5, int)  # the DSpark drafter's block
+    assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 8, int)  # prompt lookup's block, the larger
+    scheduler = make_llm("drafter.gguf", model=model, n_draft=6).batch_scheduler(2)
+    assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 6, int)  # a fixed n_draft below it
     model = FakeModel()
     model.is_recurrent = True
     scheduler = make_llm("drafter.gguf", model=model, prompt_lookup=False).batch_scheduler(2)
     assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 5, int)
-    # prompt lookup alone batches plain decoding, made with the LLM's own context settings
+    # prompt lookup alone, made with the LLM's own context settings
     scheduler = make_llm(None, model=model, prompt_lookup=True).batch_scheduler(2)
     assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 8, int)
 

@@ -3,17 +3,19 @@ plain greedy output, token for token; at T > 0 each sequence's tokens follow the
 
 from __future__ import annotations
 
+import collections
 import os
 
 import numpy as np
 import pytest
 
 import pyllama_dspark
-from pyllama_dspark import CancelToken, Context, DSparkDrafter, Model, generate, quantize
+from pyllama_dspark import CancelToken, Context, DSparkDrafter, Model, PromptLookupDrafter, generate, quantize
 from pyllama_dspark.batching import BatchRequest, BatchScheduler
 from pyllama_dspark.sampling import Sampler, SamplingParams
 from pyllama_dspark.testing import TinySpec, tiny_model, write_tiny_dspark_checkpoint
 
+from test_hybrid import static_costs
 from test_rejection import (E2E_PROMPT, E2E_TARGET, chi2_critical, exact_conditionals, exact_joint_2_3,
                             pooled_chi_square)
 
@@ -52,17 +54,21 @@ def solo_plain(model, prompts, max_tokens, *, n_ctx, n_batch, stop_at_eog=False)
 
 @pytest.mark.parametrize("arch,qtype", [("llama", "f32"), ("qwen3", "f32"), ("qwen35", "f32"), ("llama", "q8_0"),
                                         ("qwen35", "q4_0")])
-@pytest.mark.parametrize("drafting", ["plain", "dspark-fixed", "dspark-cost-aware"])
+@pytest.mark.parametrize("drafting", ["plain", "dspark-fixed", "dspark-cost-aware", "hybrid-cost-aware"])
 def test_every_sequence_equals_its_solo_plain_greedy_output(quantized_pair, arch, qtype, drafting):
     """7 prompts of 2 to ~100 tokens (prefilled in chunks of 32), 4 sequences at a time, different max_tokens, so
-    sequences join and leave at different steps; one prompt ends at the end of its context, one is cancelled."""
+    sequences join and leave at different steps; one prompt ends at the end of its context, one is cancelled.
+    The hybrid run also drafts from each sequence's own prompt lookup (block 4: the hybrid target's rollback
+    snapshots); on this 32k vocabulary its random outputs rarely repeat, the next test is where lookup drafts."""
     target, drafter_path = quantized_pair(arch, qtype)
     max_tokens = [40, 25, 33, 8, 40, 17, 29]
     with Model(target) as model:
         refs = solo_plain(model, PROMPTS, max_tokens, n_ctx=256, n_batch=32)
         ctx = Context(model, n_ctx=256 * 4, n_seq_max=4, n_batch=32, n_rs_seq=4 if model.is_hybrid else 0)
         drafter = None if drafting == "plain" else DSparkDrafter(drafter_path, ctx)
-        scheduler = BatchScheduler(ctx, drafter, n_draft=3 if drafting == "dspark-fixed" else None)
+        lookup = PromptLookupDrafter(block_size=4) if drafting.startswith("hybrid") else None
+        scheduler = BatchScheduler(ctx, drafter, n_draft=3 if drafting.endswith("fixed") else None,
+                                   prompt_lookup=lookup)
         tokens = [model.tokenize(p, add_special=True, parse_special=True) for p in PROMPTS]
         # the last sequence starts near the end of its context: it must stop with "n_ctx" where solo would
         long = np.concatenate([tokens[1]] * 3)[: ctx.n_ctx_seq - 12]
@@ -86,6 +92,51 @@ def test_every_sequence_equals_its_solo_plain_greedy_output(quantized_pair, arch
         assert scheduler.idle and all(ctx.seq_pos_max(i) == -1 for i in range(4))  # every sequence's KV freed
         if drafting != "plain":
             assert sum(h.result.stats.rounds for h in handles) > 0
+        scheduler.close()
+        if drafter is not None:
+            drafter.close()
+        ctx.close()
+
+
+LOOKUP_PROMPTS = [[1, 17, 42, 99, 3, 250, 7] * 3, (np.arange(12) * 37 % 251 + 1).tolist() * 3, [5, 6, 7, 8] * 5,
+                  [200, 100, 50, 25], [9, 8, 7, 6, 5] * 4]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen35"])
+@pytest.mark.parametrize("drafting", ["lookup-fixed", "hybrid-fixed", "hybrid-cost-aware"])
+def test_prompt_lookup_drafts_in_the_batch_and_every_sequence_equals_its_solo_plain_greedy_output(make_pair, arch,
+                                                                                                  drafting):
+    """A small vocabulary, where the outputs repeat their prompts and themselves: each sequence's prompt lookup
+    drafts and is accepted. With a fixed n_draft, lookup drafts wherever it matches and the DSpark drafter
+    elsewhere; cost-aware, each sequence's chooser picks (with test_hybrid's static costs). 5 prompts, 4 at a time (one joins later), prompts
+    longer than n_batch (chunked prefill)."""
+    pair = make_pair(TinySpec(arch=arch, n_layer=3 if arch == "qwen35" else 2))
+    n_tokens = 64
+    with Model(pair.target) as model:
+        refs = solo_plain(model, LOOKUP_PROMPTS, [n_tokens] * len(LOOKUP_PROMPTS), n_ctx=512, n_batch=16)
+        ctx = Context(model, n_ctx=512 * 4, n_seq_max=4, n_batch=16, n_rs_seq=8 if model.is_hybrid else 0)
+        drafter = DSparkDrafter(pair.drafter, ctx) if drafting.startswith("hybrid") else None
+        scheduler = BatchScheduler(ctx, drafter, n_draft=4 if drafting.endswith("fixed") else None,
+                                   prompt_lookup=PromptLookupDrafter())
+        handles = [scheduler.submit(BatchRequest(np.asarray(p, dtype=np.int32), n_tokens, stop_at_eog=False))
+                   for p in LOOKUP_PROMPTS]
+        for handle in handles:
+            if handle.chooser is not None:
+                static_costs(handle.chooser)  # decisions on acceptance alone: a tiny model's timings are noise
+        while not all(h.finished for h in handles):
+            scheduler.step()
+        results = [h.result for h in handles]
+        assert [r.tokens for r in results] == [r.tokens for r in refs]
+        drafted, accepted = collections.Counter(), collections.Counter()
+        for result in results:
+            for name, counts in result.stats.by_source.items():
+                drafted[name] += counts.drafted
+                accepted[name] += counts.accepted
+        assert accepted["lookup"] > 0, (drafted, accepted)
+        if drafting == "lookup-fixed":
+            assert set(drafted) == {"lookup"}
+        if drafting == "hybrid-fixed":
+            assert drafted["dspark"] > 0
         scheduler.close()
         if drafter is not None:
             drafter.close()
@@ -120,8 +171,17 @@ def test_scheduler_refuses_what_it_cannot_keep_exact(make_pair):
         with pytest.raises(ValueError, match="n_seq_max=2"):
             BatchScheduler(ctx, drafter)
         drafter.close()
-        with pytest.raises(TypeError, match="several sequences"):
+        with pytest.raises(TypeError, match="several sequences.*prompt_lookup="):
             BatchScheduler(ctx, pyllama_dspark.PromptLookupDrafter())
+        with pytest.raises(TypeError, match="prompt_lookup must be"):
+            BatchScheduler(ctx, prompt_lookup=True)
+        with pytest.raises(ValueError, match=r"n_batch \(2\) must be at least n_seq_max \(4\)"):
+            Context(model, n_ctx=128 * 4, n_seq_max=4, n_batch=2)  # llama.cpp would abort
+        narrow = Context(model, n_ctx=128 * 4, n_seq_max=4, n_batch=4)
+        scheduler = BatchScheduler(narrow, max_rows=8)
+        assert scheduler.max_rows == 4  # one decode holds n_batch tokens
+        scheduler.close()
+        narrow.close()
 
 
 @pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
