@@ -36,11 +36,14 @@ slots keep their memory: with 8 clients on 4 slots, each turn would otherwise fi
 The source and the draft length are chosen per sequence: a fixed ``n_draft`` (from prompt lookup where it matches,
 else from the DSpark drafter, as ``HybridDrafter.propose``), or the cost-aware ``SourceChooser`` of that sequence.
 A sequence's verify cost is what its rows add to the batched decode: ``VerifyCostModel`` fits each decode's time as
-a fixed part plus a cost per row that grows with the context the row attends to, and a sequence is charged its
-share of the fixed part plus the marginal cost of its own rows at its own context length (until the fit has
-enough steps, the share of the decode its rows are, as before). Rows are cheap in a batch, so a sequence drafts
-where its drafts pay for what they add, not for an average of everyone's decode. Its draft cost is its share of
-the drafter's decode (by drafted tokens), or the time of its own prompt lookup.
+a fixed part per pass plus a cost per row that grows with the context the row attends to, and a sequence is charged
+its share of the fixed part of each pass it is in plus the marginal cost of its own rows at its own context length
+(until the fit has enough steps, the share of the decode its rows are). A pass is a ubatch: llama.cpp computes a
+batch over per-sequence KV streams in passes of consecutive sequences with equal rows each (``ubatch_passes``), so
+a sequence that drafts more than the others, or that sits after a free slot, costs a pass of its own. Rows are
+cheap in a batch, a pass is not, so a sequence drafts where its drafts pay for what they add, not for an average of
+everyone's decode. Its draft cost is its share of the drafter's decode (by drafted tokens), or the time of its own
+prompt lookup.
 """
 
 from __future__ import annotations
@@ -78,10 +81,36 @@ class _Saved:
             self.nbytes += len(state) + sum(chunk.nbytes for chunk in chunks)
 
 
+def ubatch_passes(rows: Sequence[tuple[int, int]], n_ubatch: int) -> list[dict[int, int]]:
+    """How llama.cpp splits a batch over per-sequence KV streams into ubatches, each one pass through the model:
+    ``rows`` is (seq_id, rows) in batch order, each sequence's rows together; each pass is {seq_id: rows}.
+
+    A pass takes a run of consecutive sequence ids (the streams it attends to are one view), starting at the
+    first sequence with rows left, and the same number of rows from each (split_equal with ``sequential``). So
+    [5, 1, 1, 1] rows on sequences 0-3 take two passes (one row each, then sequence 0's other four), and one row
+    on sequences 0 and 2 two passes as well."""
+    left = {seq: n for seq, n in rows if n > 0}
+    order = [seq for seq, n in rows if n > 0]
+    passes = []
+    while left:
+        group = []
+        for seq in order:
+            if seq in left and (not group or seq == group[-1] + 1):
+                group.append(seq)
+        take = max(1, min(min(left[seq] for seq in group), n_ubatch // len(group)))
+        passes.append({seq: take for seq in group})
+        for seq in group:
+            left[seq] -= take
+            if left[seq] == 0:
+                del left[seq]
+    return passes
+
+
 class VerifyCostModel:
-    """Seconds of a batched verify as ``fixed + per_row * rows + per_cell * cells``, where ``cells`` sums over the
-    rows the context each attends to; fitted by exponentially weighted least squares (``decay`` per step) over the
-    scheduler's decodes. ``share`` is what one sequence's rows cost: its part of the fixed cost and the marginal
+    """Seconds of a batched verify as ``fixed * passes + per_row * rows + per_cell * cells``, where ``passes`` are
+    the ubatches the decode split into (``ubatch_passes``) and ``cells`` sums over the rows the context each
+    attends to; fitted by exponentially weighted least squares (``decay`` per step) over the scheduler's decodes.
+    ``share`` is what one sequence's rows cost: its part of the fixed cost of each pass it is in, and the marginal
     cost of its rows. Until ``ready`` (``min_steps`` decodes, two row counts at least, a fit with no negative
     part), ``share`` is the proportional share of the decode instead."""
 
@@ -93,10 +122,10 @@ class VerifyCostModel:
         self._rows_seen: set[int] = set()
         self._coef: np.ndarray | None = None
 
-    def observe(self, rows: int, cells: int, seconds: float) -> None:
-        if rows < 1 or not np.isfinite(seconds) or seconds <= 0:
+    def observe(self, rows: int, cells: int, seconds: float, passes: int = 1) -> None:
+        if rows < 1 or passes < 1 or not np.isfinite(seconds) or seconds <= 0:
             return
-        x = np.array([1.0, float(rows), cells / 1000.0])
+        x = np.array([float(passes), float(rows), cells / 1000.0])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
         self._steps += 1
@@ -104,7 +133,7 @@ class VerifyCostModel:
         self._coef = None
 
     def coefficients(self) -> np.ndarray | None:
-        """(fixed seconds, seconds per row, seconds per row and 1000 cells), or None while not ready."""
+        """(fixed seconds per pass, seconds per row, seconds per row and 1000 cells), or None while not ready."""
         if self._coef is None and self._steps >= self.min_steps and len(self._rows_seen) >= 2:
             # a little ridge on the per-cell term: contexts may barely vary between steps
             ridge = np.diag([0.0, 0.0, 1e-9 + 1e-6 * self._xtx[2, 2]])
@@ -123,13 +152,16 @@ class VerifyCostModel:
     def ready(self) -> bool:
         return self.coefficients() is not None
 
-    def share(self, seconds: float, rows: int, total_rows: int, n_sequences: int, cells: int) -> float:
+    def share(self, seconds: float, rows: int, total_rows: int, n_sequences: int, cells: int,
+              passes_share: float | None = None) -> float:
         """One sequence's part of a decode that took ``seconds``: its ``rows`` (of ``total_rows``, over
-        ``n_sequences``) attending to ``cells`` cells in all."""
+        ``n_sequences``) attending to ``cells`` cells in all; ``passes_share``: the sum, over the passes its rows
+        were in, of 1 / the sequences in that pass (default: one pass shared by all)."""
         coef = self.coefficients()
         if coef is None:
             return seconds * rows / total_rows
-        return float(coef[0] / n_sequences + coef[1] * rows + coef[2] * cells / 1000.0)
+        passes_share = 1.0 / n_sequences if passes_share is None else float(passes_share)
+        return float(coef[0] * passes_share + coef[1] * rows + coef[2] * cells / 1000.0)
 
 
 class BatchSequence:
@@ -539,7 +571,8 @@ class BatchScheduler:
         for seq in decoding:
             k = len(chosen[seq][1])
             cells[seq] = (k + 1) * (seq.pos + 1) + k * (k + 1) // 2
-        self.verify_costs.observe(n_rows, sum(cells.values()), t_verify)
+        passes = ubatch_passes([(seq.seq_id, len(chosen[seq][1]) + 1) for seq in decoding], self.ctx.n_ubatch)
+        self.verify_costs.observe(n_rows, sum(cells.values()), t_verify, passes=len(passes))
         from .speculative import Speculator  # the accept rule of the single-sequence loop, shared
 
         for seq in decoding:
@@ -561,7 +594,8 @@ class BatchScheduler:
             if seq.lookup is not None:
                 seq.lookup.observe(committed_rows, None, seq.pos)
             share_draft = draft_seconds[seq]
-            share_verify = self.verify_costs.share(t_verify, k + 1, n_rows, len(decoding), cells[seq])
+            in_passes = sum(1.0 / len(p) for p in passes if seq.seq_id in p)
+            share_verify = self.verify_costs.share(t_verify, k + 1, n_rows, len(decoding), cells[seq], in_passes)
             source = sources[seq]
             seq.stats.observe_round(k, n, source=source if n_drafted[seq] else "", t_draft=share_draft)
             seq.stats.t_verify += share_verify

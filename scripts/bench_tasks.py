@@ -15,8 +15,8 @@ and drafter made for the category (its chooser learns within the category, as a 
 session; only one configuration's contexts exist at a time, since idle thread pools still poll). Per category and configuration:
 decode speedup (plain decode tok/s over the category's summed tokens and decode times, relative), end-to-end
 speedup (prefill included), tau and token match. Then the batched figure: the category's prompts through
-generate_batch, --batched N at a time, speculative (the default configuration, whose batches draft with its
-DSpark drafter) against plain batching, wall clock. JSON with every prompt's figures, and a PNG with --plot.
+generate_batch, --batched N at a time, speculative (the default configuration, whose batches draft from each
+sequence's prompt lookup and the DSpark drafter) against plain batching, wall clock. JSON with every prompt's figures, and a PNG with --plot.
 
 Usage: bench_tasks.py [--model M] [--drafter D] [--prompts P] [--categories C ...] [--per-category 8]
                       [--n-predict 128] [--n-threads 2] [--configs dspark dspark-k4 lookup hybrid]

@@ -108,8 +108,8 @@ def test_prompt_lookup_drafts_in_the_batch_and_every_sequence_equals_its_solo_pl
                                                                                                   drafting):
     """A small vocabulary, where the outputs repeat their prompts and themselves: each sequence's prompt lookup
     drafts and is accepted. With a fixed n_draft, lookup drafts wherever it matches and the DSpark drafter
-    elsewhere; cost-aware, each sequence's chooser picks (with test_hybrid's static costs). 5 prompts, 4 at a time (one joins later), prompts
-    longer than n_batch (chunked prefill)."""
+    elsewhere; cost-aware, each sequence's chooser picks (with test_hybrid's static costs). 5 prompts, 4 at a
+    time (one joins later), prompts longer than n_batch (chunked prefill)."""
     pair = make_pair(TinySpec(arch=arch, n_layer=3 if arch == "qwen35" else 2))
     n_tokens = 64
     with Model(pair.target) as model:
@@ -326,3 +326,37 @@ def test_verify_cost_model_stays_proportional_without_a_usable_fit():
     for rows in (2, 4, 8, 16) * 4:  # more rows, less time: a negative per-row cost is refused
         falling.observe(rows, 100 * rows, 0.02 - 0.001 * rows)
     assert not falling.ready
+
+
+def test_ubatch_passes_follow_llama_cpps_equal_split_over_consecutive_sequences():
+    """Measured on SmolLM2 (2 threads, n_seq_max 4, 200 cells): one row on sequences 0 and 2 took 15.4 ms, on 0 and
+    1 9.5 ms (one row alone 7.3); rows 5/1/1/1 took 27.0 ms, one row on each of 4 sequences 14.9 and 4 rows on one
+    12.3: two passes each, as modelled here."""
+    from pyllama_dspark.batching import ubatch_passes
+
+    assert ubatch_passes([(0, 5), (1, 1), (2, 1), (3, 1)], 64) == [{0: 1, 1: 1, 2: 1, 3: 1}, {0: 4}]
+    assert ubatch_passes([(0, 1), (2, 1)], 64) == [{0: 1}, {2: 1}]  # a free slot between: two passes
+    assert ubatch_passes([(0, 1), (1, 1), (2, 1), (3, 1)], 64) == [{0: 1, 1: 1, 2: 1, 3: 1}]
+    assert ubatch_passes([(0, 3), (1, 3), (2, 1)], 64) == [{0: 1, 1: 1, 2: 1}, {0: 2, 1: 2}]
+    assert ubatch_passes([(1, 2), (2, 4), (3, 2)], 64) == [{1: 2, 2: 2, 3: 2}, {2: 2}]
+    assert ubatch_passes([(0, 40), (1, 40)], 64) == [{0: 32, 1: 32}, {0: 8, 1: 8}]  # at most n_ubatch rows a pass
+    assert ubatch_passes([(0, 0), (1, 2)], 64) == [{1: 2}] and ubatch_passes([], 64) == []
+
+
+def test_verify_cost_model_charges_each_pass_to_the_sequences_in_it():
+    from pyllama_dspark.batching import VerifyCostModel
+
+    model = VerifyCostModel()
+    rng = np.random.default_rng(1)
+    fixed, per_row, per_kcell = 0.007, 0.0005, 0.0003
+    for _ in range(60):
+        rows, passes = int(rng.integers(4, 20)), int(rng.integers(1, 4))
+        cells = int(rows * rng.integers(100, 3000))
+        model.observe(rows, cells, fixed * passes + per_row * rows + per_kcell * cells / 1000, passes=passes)
+    np.testing.assert_allclose(model.coefficients(), [fixed, per_row, per_kcell], rtol=1e-3)
+    # rows 5/1/1/1: sequence 0 is in both passes (a quarter of the first, all of the second), the others in one
+    assert model.share(0.03, 5, 8, 4, 500, passes_share=1.25) == pytest.approx(
+        1.25 * fixed + 5 * per_row + 0.5 * per_kcell, rel=1e-3)
+    assert model.share(0.03, 1, 8, 4, 100, passes_share=0.25) == pytest.approx(
+        0.25 * fixed + per_row + 0.1 * per_kcell, rel=1e-3)
+    assert model.share(0.03, 1, 8, 4, 100) == model.share(0.03, 1, 8, 4, 100, passes_share=0.25)
