@@ -697,6 +697,8 @@ def test_a_hybrid_memory_target_batches_with_snapshots_for_the_larger_block():
     model.is_recurrent = True
     scheduler = make_llm("drafter.gguf", model=model, prompt_lookup=False).batch_scheduler(2)
     assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 5, int)
+    scheduler = make_llm(None, model=model).batch_scheduler(2)
+    assert "n_rs_seq" not in scheduler.ctx.settings  # nothing drafts: nothing to roll back
     # prompt lookup alone, made with the LLM's own context settings
     scheduler = make_llm(None, model=model, prompt_lookup=True).batch_scheduler(2)
     assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 8, int)
