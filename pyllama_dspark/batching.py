@@ -540,15 +540,16 @@ class BatchScheduler:
             drafts = dict(zip(drafting, made))
         t_draft = time.perf_counter() - t0
         n_drafted_all = sum(len(d.tokens) for d in drafts.values()) or 1
-        draft_seconds = {}  # what each sequence's draft cost: its share of the drafter's decode, or its lookup
+        # what each sequence's draft cost: its lookup (asked every round, as the single-sequence loop's offers), and
+        # its share of the drafter's decode
+        draft_seconds = dict(t_lookup)
         chosen, refused, n_drafted = {}, {}, {}
         for seq in decoding:
             if sources[seq] == DSPARK:
                 draft = drafts.get(seq, _NO_DRAFT)
-                draft_seconds[seq] = t_draft * len(draft.tokens) / n_drafted_all
+                draft_seconds[seq] += t_draft * len(draft.tokens) / n_drafted_all
             else:
                 draft = (offers[seq].get(sources[seq]) if plans[seq] else None) or _NO_DRAFT
-                draft_seconds[seq] = t_lookup[seq] if plans[seq] else 0.0
             k = n_drafted[seq] = min(plans[seq], len(draft.tokens))  # what the draft time paid for, before any cut
             if seq.chooser is not None and k:
                 k = seq.chooser.choosers[sources[seq]].cut(draft.confidence, k, draft_seconds[seq])
