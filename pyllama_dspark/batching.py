@@ -57,7 +57,7 @@ import numpy as np
 from . import checks
 from .batch import Batch
 from .context import Context
-from .draft_length import SourceChooser
+from .draft_length import SourceChooser, expected_tokens_by_k
 from .drafter import Draft, PromptLookupDrafter
 from .errors import DecodeAbortedError, MemoryOpError
 from .events import (MAX_EXACT_ROWS, BatchRequest, CancelToken, GenerationResult, OutputRules,  # noqa: F401
@@ -104,6 +104,35 @@ def ubatch_passes(rows: Sequence[tuple[int, int]], n_ubatch: int) -> list[dict[i
             if left[seq] == 0:
                 del left[seq]
     return passes
+
+
+def verify_cells(pos: int, k: int) -> int:
+    """Cells a sequence's k + 1 verify rows attend to in all, its anchor at ``pos``: pos + 1, ..., pos + k + 1."""
+    return (k + 1) * (pos + 1) + k * (k + 1) // 2
+
+
+def best_common_cap(drafts: Sequence[tuple[int, int, int, np.ndarray]], coef: np.ndarray, n_ubatch: int) -> int:
+    """The most drafts any sequence keeps this round, chosen for the whole batch: ``drafts`` is (seq_id, anchor
+    position, k drafted, E[tokens | j] for j = 0..k) in batch order, ``coef`` a ``VerifyCostModel``'s
+    coefficients. Each cap c keeps min(k, c) of every draft; the cap with the most expected tokens per predicted
+    second of verify wins (the largest among equals).
+
+    Why: a pass through the model takes the same number of rows from each sequence in it, so one sequence's
+    lone draft costs the batch a whole pass more (one draft token on one of four sequences: two passes where
+    there was one). Each sequence's chooser cannot see that; a common cap trades its drafts against the passes
+    they cost all of them."""
+    top = max((k for _, _, k, _ in drafts), default=0)
+    best, best_rate = top, -1.0
+    for cap in range(top, -1, -1):
+        rows = [(seq, min(k, cap) + 1) for seq, _, k, _ in drafts]
+        n_passes = len(ubatch_passes(rows, n_ubatch))
+        cells = sum(verify_cells(pos, min(k, cap)) for _, pos, k, _ in drafts)
+        seconds = coef[0] * n_passes + coef[1] * sum(n for _, n in rows) + coef[2] * cells / 1000.0
+        tokens = sum(float(gain[min(k, cap)]) for _, _, k, gain in drafts)
+        rate = tokens / seconds if seconds > 0 else 0.0
+        if rate > best_rate * (1.0 + 1e-9):
+            best, best_rate = cap, rate
+    return best
 
 
 class VerifyCostModel:
@@ -543,7 +572,7 @@ class BatchScheduler:
         # what each sequence's draft cost: its lookup (asked every round, as the single-sequence loop's offers), and
         # its share of the drafter's decode
         draft_seconds = dict(t_lookup)
-        chosen, refused, n_drafted = {}, {}, {}
+        chosen, refused, n_drafted, kept = {}, {}, {}, {}
         for seq in decoding:
             if sources[seq] == DSPARK:
                 draft = drafts.get(seq, _NO_DRAFT)
@@ -553,8 +582,14 @@ class BatchScheduler:
             k = n_drafted[seq] = min(plans[seq], len(draft.tokens))  # what the draft time paid for, before any cut
             if seq.chooser is not None and k:
                 k = seq.chooser.choosers[sources[seq]].cut(draft.confidence, k, draft_seconds[seq])
-            drafts_k, refused[seq] = seq.rules.cut_draft(np.asarray(draft.tokens[:k], dtype=np.int32), seq.stats)
-            chosen[seq] = (draft, drafts_k)
+            chosen[seq], kept[seq] = draft, k
+        cap = self._common_cap(decoding, sources, kept)
+        for seq in decoding:
+            # the cap reads draft lengths and running figures, never the sampled tokens: rejection sampling stays
+            # exact (the grammar's cut, which reads the tokens, comes after it)
+            drafts_k, refused[seq] = seq.rules.cut_draft(
+                np.asarray(chosen[seq].tokens[:min(kept[seq], cap)], dtype=np.int32), seq.stats)
+            chosen[seq] = (chosen[seq], drafts_k)
         # verify: every sequence's [anchor, d0..dk-1], each at its positions in its own sequence
         self._batch.clear()
         starts = {}
@@ -568,10 +603,7 @@ class BatchScheduler:
         n_rows = self._batch.n_tokens
         t_verify = time.perf_counter() - t1
         # each of a sequence's k + 1 rows attends to its cells up to its own position: pos + 1, ..., pos + k + 1
-        cells = {}
-        for seq in decoding:
-            k = len(chosen[seq][1])
-            cells[seq] = (k + 1) * (seq.pos + 1) + k * (k + 1) // 2
+        cells = {seq: verify_cells(seq.pos, len(chosen[seq][1])) for seq in decoding}
         passes = ubatch_passes([(seq.seq_id, len(chosen[seq][1]) + 1) for seq in decoding], self.ctx.n_ubatch)
         self.verify_costs.observe(n_rows, sum(cells.values()), t_verify, passes=len(passes))
         from .speculative import Speculator  # the accept rule of the single-sequence loop, shared
@@ -605,9 +637,28 @@ class BatchScheduler:
                 for name, offer in offers[seq].items():  # a free proposal left unverified still shows how good
                     if offer is not None and (name != source or k == 0):
                         seq.chooser.observe_free(name, offer.tokens, committed)
+                if k == 0 and n_drafted[seq] and offers[seq].get(source) is None:
+                    # a draft the common cap dropped whole (a probe, mostly) is scored against the committed token,
+                    # as a free proposal: its acceptance stays measured for the price of the drafter's decode
+                    seq.chooser.observe_free(source, draft.tokens[:n_drafted[seq]], committed)
             seq.pos += n + 1
             self._commit(seq, committed, [True] * n + [False], events, rows=rows, logits=logits[start:start + n + 1],
                          logprobs=logprobs)
+
+    def _common_cap(self, decoding: list[BatchSequence], sources: dict, kept: dict) -> int:
+        """The most drafts a sequence verifies this round (``best_common_cap``), from each cost-aware sequence's
+        running acceptance of its source and the fitted verify costs; no cap while the cost model is not ready,
+        or when a sequence drafts a fixed n_draft (no chooser)."""
+        top = max(kept.values(), default=0)
+        coef = self.verify_costs.coefficients()
+        if top == 0 or coef is None or any(seq.chooser is None for seq in decoding):
+            return top
+        wanted = []
+        for seq in decoding:
+            k = kept[seq]
+            accept = seq.chooser.choosers[sources[seq]].accept[:k] if k else np.zeros(0)
+            wanted.append((seq.seq_id, seq.pos, k, expected_tokens_by_k(accept)))
+        return best_common_cap(wanted, coef, self.ctx.n_ubatch)
 
     def _offers(self, seq: BatchSequence, n_max: int) -> dict[str, Draft | None]:
         """The sources that can draft for ``seq`` this round (as ``HybridDrafter.offers``): prompt lookup's proposal

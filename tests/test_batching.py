@@ -143,6 +143,71 @@ def test_prompt_lookup_drafts_in_the_batch_and_every_sequence_equals_its_solo_pl
         ctx.close()
 
 
+class _PassBoundCosts:
+    """A verify cost model whose passes cost far more than rows (a small target's on a CPU, exaggerated), known
+    from the start: a round then takes more passes than it must only for as many more tokens expected."""
+
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def coefficients(self) -> np.ndarray:
+        return np.array([1.0, 1e-6, 0.0])
+
+    def share(self, seconds, rows, total_rows, n_sequences, cells, passes_share=None) -> float:
+        return seconds * rows / total_rows
+
+
+def test_common_cap_takes_a_further_pass_only_for_its_tokens_and_the_output_stays_exact(make_pair):
+    """Issue 34: the scheduler caps every sequence's draft at one length for the batch where a further pass would
+    not pay; drafts it drops are scored against the committed token (the dropped DSpark drafts keep its chooser's
+    acceptance measured), and the output still equals solo plain greedy."""
+    from pyllama_dspark.batching import ubatch_passes
+
+    pair = make_pair(TinySpec(arch="llama", n_layer=2))
+    n_tokens = 48
+    with Model(pair.target) as model:
+        refs = solo_plain(model, LOOKUP_PROMPTS[:4], [n_tokens] * 4, n_ctx=512, n_batch=16)
+        ctx = Context(model, n_ctx=384 * 4, n_seq_max=4, n_batch=32)
+        drafter = DSparkDrafter(pair.drafter, ctx)
+        scheduler = BatchScheduler(ctx, drafter, prompt_lookup=PromptLookupDrafter())
+        scheduler.verify_costs = _PassBoundCosts()
+        verifies, decode = [], ctx.decode
+
+        def recording_decode(batch):
+            rows = collections.Counter(int(s) for s in batch.seq_ids)
+            if len(rows) > 1:
+                fewest = len(ubatch_passes([(seq, 1) for seq in sorted(rows)], ctx.n_ubatch))  # no drafts at all
+                verifies.append((len(ubatch_passes(sorted(rows.items()), ctx.n_ubatch)), fewest, len(rows),
+                                 batch.n_tokens - len(rows)))
+            return decode(batch)
+
+        ctx.decode = recording_decode
+        handles = [scheduler.submit(BatchRequest(np.asarray(p, dtype=np.int32), n_tokens, stop_at_eog=False))
+                   for p in LOOKUP_PROMPTS[:4]]
+        scored = collections.Counter()
+        for handle in handles:
+            static_costs(handle.chooser)
+            observe_free = handle.chooser.observe_free
+
+            def counting(source, proposed, committed, observe_free=observe_free):
+                scored[source] += 1
+                observe_free(source, proposed, committed)
+
+            handle.chooser.observe_free = counting
+        while not all(h.finished for h in handles):
+            scheduler.step()
+        assert [h.result.tokens for h in handles] == [r.tokens for r in refs]
+        # (tokens expected) / passes must beat n_seqs / fewest passes, and a draft row adds at most one token
+        assert all(drafted >= n_seqs * (passes / fewest - 1) for passes, fewest, n_seqs, drafted in verifies), \
+            verifies
+        assert any(drafted for _, _, _, drafted in verifies)  # drafts were verified
+        assert any(passes == fewest and drafted for passes, fewest, _, drafted in verifies)  # some sharing a pass
+        assert scored["dspark"] > 0  # only a dropped DSpark draft is scored free (its proposal is not in hand)
+        scheduler.close()
+        drafter.close()
+        ctx.close()
+
+
 def test_generate_batch_equals_generate_and_keeps_order(make_pair):
     pair = make_pair(spec("llama"))
     with pyllama_dspark.load(pair.target, drafter=pair.drafter, n_ctx=256, n_batch=32, n_draft=3) as llm:
@@ -326,6 +391,33 @@ def test_verify_cost_model_stays_proportional_without_a_usable_fit():
     for rows in (2, 4, 8, 16) * 4:  # more rows, less time: a negative per-row cost is refused
         falling.observe(rows, 100 * rows, 0.02 - 0.001 * rows)
     assert not falling.ready
+
+
+def test_common_cap_drops_a_lone_draft_that_would_cost_the_batch_a_pass():
+    """Issue 34: with one draft on one of four sequences, the decode takes two passes where there was one; the
+    common cap drops a weak lone draft, keeps a strong one, and keeps drafts that share the passes."""
+    from pyllama_dspark.batching import best_common_cap
+    from pyllama_dspark.draft_length import expected_tokens_by_k
+
+    coef = np.array([0.006, 0.0005, 0.0])  # a pass costs 12 rows: the figures of SmolLM2 at short context
+    plain = expected_tokens_by_k(np.zeros(0))
+
+    def gains(*accept):
+        return expected_tokens_by_k(np.array(accept))
+
+    weak = [(0, 100, 1, gains(0.3)), (1, 100, 0, plain), (2, 100, 0, plain), (3, 100, 0, plain)]
+    assert best_common_cap(weak, coef, 64) == 0  # 4.3 tokens in 2 passes against 4 in one
+    strong = [(0, 100, 6, gains(*[0.95] * 6)), (1, 100, 0, plain), (2, 100, 0, plain), (3, 100, 0, plain)]
+    assert best_common_cap(strong, coef, 64) == 6  # ~8.9 tokens in two passes
+    assert best_common_cap([weak[0][:3] + (gains(1.0),)] + weak[1:], coef, 64) == 0  # even a certain one
+    shared = [(seq, 100, 2, gains(0.8, 0.7)) for seq in range(4)]
+    assert best_common_cap(shared, coef, 64) == 2  # still one pass: each draft costs a row only
+    uneven = [(0, 100, 3, gains(0.7, 0.6, 0.5)), (1, 100, 1, gains(0.7)), (2, 100, 1, gains(0.7)),
+              (3, 100, 1, gains(0.7))]
+    assert best_common_cap(uneven, coef, 64) == 1  # a second pass for sequence 0's last two slots does not pay
+    weak_shared = [(seq, 100, 2, gains(0.6, 0.5)) for seq in range(4)]
+    assert best_common_cap(weak_shared, coef, 64) == 1  # the second slot adds 0.3 tokens for a row (+20 %)
+    assert best_common_cap([(0, 5, 0, plain)], coef, 64) == 0 and best_common_cap([], coef, 64) == 0
 
 
 def test_ubatch_passes_follow_llama_cpps_equal_split_over_consecutive_sequences():
