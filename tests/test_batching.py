@@ -416,7 +416,7 @@ def test_common_cap_drops_a_lone_draft_that_would_cost_the_batch_a_pass():
               (3, 100, 1, gains(0.7))]
     assert best_common_cap(uneven, coef, 64) == 1  # a second pass for sequence 0's last two slots does not pay
     weak_shared = [(seq, 100, 2, gains(0.6, 0.5)) for seq in range(4)]
-    assert best_common_cap(weak_shared, coef, 64) == 1  # the second slot adds 0.3 tokens for a row (+20 %)
+    assert best_common_cap(weak_shared, coef, 64) == 1  # slot 2: +19 % tokens (0.3 on 1.6) for +20 % verify
     assert best_common_cap([(0, 5, 0, plain)], coef, 64) == 0 and best_common_cap([], coef, 64) == 0
 
 
