@@ -2,7 +2,7 @@
 """Speculative decoding by task category, side by side with plain decoding in one run (issue 34).
 
 For the prompts of benchmarks/tasks/tasks.jsonl (scripts/make_task_prompts.py: chat, translation,
-summarization, QA, math, RAG, code editing): plain greedy decoding, then each speculative configuration.
+summarization, QA, math, RAG, code editing): plain greedy decoding and each speculative configuration.
 Configurations:
 
     dspark    the DSpark drafter alone, cost-aware (`load(target, drafter, prompt_lookup=False)`)
@@ -10,13 +10,16 @@ Configurations:
     lookup    prompt lookup alone, cost-aware (`load(target, prompt_lookup=True)`)
     hybrid    prompt lookup and the DSpark drafter, cost-aware: the default configuration (`load(target, drafter)`)
 
-Per category, plain decoding runs its prompts first, then each configuration in turn, with its own target context
-and drafter made for the category (its chooser learns within the category, as a loaded model does over a user's
-session; only one configuration's contexts exist at a time, since idle thread pools still poll). Per category and configuration:
-decode speedup (plain decode tok/s over the category's summed tokens and decode times, relative), end-to-end
-speedup (prefill included), tau and token match. Then the batched figure: the category's prompts through
-generate_batch, --batched N at a time, speculative (the default configuration, whose batches draft from each
-sequence's prompt lookup and the DSpark drafter) against plain batching, wall clock. JSON with every prompt's figures, and a PNG with --plot.
+Per category, every configuration has its own target context and drafter made for the category (its chooser
+learns within the category, as a loaded model does over a user's session), and each prompt runs through plain
+decoding, a second plain context (`plain-again`, the control: what two identical runs differ by on this machine)
+and every configuration in turn, the order rotated from prompt to prompt. Per category and configuration: decode
+speedup (plain decode tok/s over the category's summed tokens and decode times, relative), end-to-end speedup
+(prefill included), tau and token match; the control's speedup is printed and written as "control". Then the
+batched figure: the category's prompts through generate_batch, --batched N at a time, speculative (the default
+configuration, whose batches draft from each sequence's prompt lookup and the DSpark drafter) against plain
+batching, wall clock, the two taking turns at going first from category to category. JSON with every prompt's
+figures, and a PNG with --plot.
 
 Usage: bench_tasks.py [--model M] [--drafter D] [--prompts P] [--categories C ...] [--per-category 8]
                       [--n-predict 128] [--n-threads 2] [--configs dspark dspark-k4 lookup hybrid]
@@ -43,6 +46,7 @@ from pyllama_dspark.stats import SpecStats
 
 PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "tasks" / "tasks.jsonl"
 CONFIGS = ["dspark", "dspark-k4", "lookup", "hybrid"]
+CONTROL = "plain-again"  # a second plain context: the noise of two identical runs
 
 
 def load_tasks(path: Path, categories: list[str] | None, per_category: int) -> dict[str, list[dict]]:
@@ -115,40 +119,57 @@ def summarize(rows: list[dict], plain: list[dict]) -> dict:
 
 
 def run_sequential(model, drafter_path, tasks, configs, settings, n_predict) -> dict:
-    """Per category: plain decoding of its prompts, then each configuration in turn. Only one configuration's
-    contexts exist at a time: an idle context's thread pool still polls for work, and on 2 cores a few of them
-    took a third of the active one's time."""
+    """Per category, each prompt through plain decoding, a second plain context (the control: how far two
+    identical runs differ here) and every configuration, one after another, the order rotated from prompt to
+    prompt, so that a drift of the machine's speed falls on every configuration alike and no configuration
+    always follows the same one. Each configuration keeps its own target context and drafter over the category.
+    All exist at once: an idle context's thread pool sleeps 2 ms after its last decode (patch 0028; before, it
+    polled for ~2.5 s and on 2 cores took the active context's second core)."""
     per_prompt: dict[str, dict[str, list[dict]]] = {}
+    names = ["plain", CONTROL, *configs]
     for category, rows in tasks.items():
-        results = per_prompt[category] = {"plain": [], **{name: [] for name in configs}}
+        results = per_prompt[category] = {name: [] for name in names}
         texts = [prompt_text(model, row["messages"]) for row in rows]
-        plain_tokens = []
-        with Context(model, **settings) as plain_ctx:
-            generate(plain_ctx, "Hello", max_tokens=4)  # warm-up: weights paged in, threads started
-            for row, text in zip(rows, texts):
-                out = generate(plain_ctx, text, max_tokens=n_predict)
-                plain_tokens.append(out.tokens)
-                results["plain"].append({"id": row["id"], "n_prompt": len(prompt_tokens(plain_ctx, text)),
-                                         "n_generated": len(out.tokens), "t_prefill": out.t_prefill,
-                                         "t_decode": out.t_decode, "match": True})
-        for name in configs:
-            runner = Runner(name, model, drafter_path, settings)
-            try:
-                spec = runner.speculator()
-                for row, text, expected, plain in zip(rows, texts, plain_tokens, results["plain"]):
-                    stats = SpecStats()
-                    tokens = [t for step in spec.run(prompt_tokens(runner.ctx, text), max_tokens=n_predict,
-                                                     stats=stats) for t in step.tokens]
-                    results[name].append({"id": row["id"], "n_prompt": plain["n_prompt"], "n_generated": len(tokens),
-                                          "t_prefill": stats.t_prefill, "t_decode": stats.t_decode,
-                                          "match": tokens == expected, "rounds": stats.rounds,
-                                          "accepted": stats.accepted, "drafted": stats.drafted,
-                                          "plain_steps": stats.plain_steps,
-                                          "by_source": stats.as_dict().get("by_source")})
-            finally:
+        plain_ctxs: dict[str, Context] = {}
+        runners: dict[str, Runner] = {}
+        try:
+            for name in ("plain", CONTROL):
+                plain_ctxs[name] = Context(model, **settings)
+                generate(plain_ctxs[name], "Hello", max_tokens=4)  # warm-up: weights paged in, graphs reserved
+            specs = {}
+            for name in configs:
+                runners[name] = Runner(name, model, drafter_path, settings)
+                specs[name] = runners[name].speculator()
+                for _ in specs[name].run(prompt_tokens(runners[name].ctx, "Hello"), max_tokens=4):
+                    pass
+            for i, (row, text) in enumerate(zip(rows, texts)):
+                n_prompt = len(prompt_tokens(plain_ctxs["plain"], text))
+                outputs = {}
+                for name in names[i % len(names):] + names[:i % len(names)]:
+                    if name in plain_ctxs:
+                        out = generate(plain_ctxs[name], text, max_tokens=n_predict)
+                        outputs[name] = out.tokens
+                        figures = {"t_prefill": out.t_prefill, "t_decode": out.t_decode}
+                    else:
+                        stats = SpecStats()
+                        outputs[name] = [t for step in specs[name].run(
+                            prompt_tokens(runners[name].ctx, text), max_tokens=n_predict, stats=stats)
+                            for t in step.tokens]
+                        figures = {"t_prefill": stats.t_prefill, "t_decode": stats.t_decode,
+                                   "rounds": stats.rounds, "accepted": stats.accepted, "drafted": stats.drafted,
+                                   "plain_steps": stats.plain_steps, "by_source": stats.as_dict().get("by_source")}
+                    results[name].append({"id": row["id"], "n_prompt": n_prompt, "n_generated": len(outputs[name]),
+                                          **figures})
+                for name in names:
+                    results[name][-1]["match"] = outputs[name] == outputs["plain"]
+        finally:
+            for runner in runners.values():
                 runner.close()
+            for ctx in plain_ctxs.values():
+                ctx.close()
+        for name in [CONTROL, *configs]:
             mine = summarize(results[name], results["plain"])
-            print(f"  {category:<14} {name:<10} {mine['speedup']:.2f}x (tau {mine['tau']:.2f}, e2e "
+            print(f"  {category:<14} {name:<11} {mine['speedup']:.2f}x (tau {mine['tau']:.2f}, e2e "
                   f"{mine['e2e_speedup']:.2f}x, match {mine['token_match']}/{mine['prompts']})",
                   file=sys.stderr, flush=True)
     return per_prompt
@@ -165,7 +186,8 @@ def run_batched(model, drafter_path, tasks, parallels, settings, n_predict) -> d
             for category, rows in tasks.items():
                 texts = [prompt_text(model, row["messages"]) for row in rows]
                 figures = {}
-                for name, llm in (("plain", plain_llm), ("speculative", spec_llm)):
+                pair = [("plain", plain_llm), ("speculative", spec_llm)]
+                for name, llm in pair if len(out.get(str(parallel), {})) % 2 == 0 else pair[::-1]:
                     t0 = time.perf_counter()
                     results = llm.generate_batch(texts, parallel=parallel, max_tokens=n_predict)
                     wall = time.perf_counter() - t0
@@ -251,10 +273,14 @@ def main() -> None:
             else {}
     categories = {c: {name: summarize(rows[name], rows["plain"]) for name in args.configs}
                   for c, rows in per_prompt.items()}
-    every = {name: [r for rows in per_prompt.values() for r in rows[name]] for name in ["plain", *args.configs]}
+    every = {name: [r for rows in per_prompt.values() for r in rows[name]]
+             for name in ["plain", CONTROL, *args.configs]}
     overall = {name: summarize(every[name], every["plain"]) for name in args.configs}
+    control = {**{c: summarize(rows[CONTROL], rows["plain"]) for c, rows in per_prompt.items()},
+               "all": summarize(every[CONTROL], every["plain"])}
     result = {"model": model_path.name, "drafter": drafter_path.name, "n_predict": args.n_predict,
               "n_threads": args.n_threads, "configs": args.configs, "categories": categories, "overall": overall,
+              "control": control,
               "batched": batched, "per_prompt": per_prompt, "seconds": time.perf_counter() - t0,
               "command": " ".join(sys.argv[1:])}
     print(f"{model_path.name} + {drafter_path.name}: decode speedup over plain (tau) [end-to-end]; token match")
@@ -264,6 +290,7 @@ def main() -> None:
         print(f"{c:<14}" + "".join(
             f"{f['speedup']:>8.2f} ({f['tau']:.2f}) [{f['e2e_speedup']:.2f}] {f['token_match']}/{f['prompts']}"
             .rjust(24) for f in (figures[name] for name in args.configs)))
+    print("control (plain against plain): " + ", ".join(f"{c} {f['speedup']:.2f}x" for c, f in control.items()))
     for parallel, by_category in batched.items():
         print(f"batched, {parallel} at once: " + ", ".join(
             f"{c} {f['speedup']:.2f}x ({f['token_match']}/{f['prompts']})" for c, f in by_category.items()))

@@ -245,6 +245,9 @@ def test_bench_tasks_small(tmp_path, make_pair):
     for category in result["categories"].values():
         assert set(category) == {"dspark", "dspark-k4", "lookup", "hybrid"}
         assert all(f["token_match"] == f["prompts"] == 2 for f in category.values())
+    assert set(result["control"]) == {"qa", "code_edit", "all"}  # a second plain context, against the first
+    assert all(f["token_match"] == f["prompts"] for f in result["control"].values())
+    assert all(len(rows["plain-again"]) == 2 for rows in result["per_prompt"].values())
     assert set(result["batched"]["2"]) == {"qa", "code_edit"}
     assert all(f["token_match"] == 2 for f in result["batched"]["2"].values())
     assert not plotting or plot.stat().st_size > 0
