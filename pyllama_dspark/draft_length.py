@@ -169,8 +169,9 @@ class DraftLengthChooser:
         alpha: weight of the newest round in the running acceptance averages.
         probe_every: plain rounds between probes of one draft token once k = 0 was chosen (doubles, up to
             64, after each rejected probe while slot 0's running acceptance or a slow average of it
-            (``slow_alpha``) is below the break-even; back to probe_every once drafting pays or a probe is
-            accepted); also, every probe_every-th
+            (``slow_alpha``) is below the break-even; after an accepted probe, back to probe_every if the slow
+            average is at the break-even or above, else halved, down to probe_every; back to probe_every once
+            drafting pays); also, every probe_every-th
             drafting round drafts one slot more than planned, so the acceptance of the slot after the plan
             stays measured.
         margin: a draft is planned only where it promises at least 1 + margin times a plain step's tokens per
@@ -261,8 +262,16 @@ class DraftLengthChooser:
             self.accept[i] += self.alpha * (float(i < n_accepted) - self.accept[i])
         if k > 0:
             self._accept0_slow += self.slow_alpha * (float(n_accepted > 0) - self._accept0_slow)
-            if self.best() > 0 or n_accepted > 0:  # drafting pays, or a draft was right: the text may have changed
+            if self.best() > 0:  # drafting pays
                 self._probe_gap = self.probe_every
+            elif n_accepted > 0:
+                # a right probe while drafting does not pay. Where the slow average says the drafter usually pays,
+                # this was a dip: probe every probe_every rounds again. Where it does not, the text may be
+                # changing: probe twice as often, not at once every few rounds (a drafter right 40 % of the time,
+                # below its break-even, was then probed every few rounds and lost ~5 % of plain speed on QA: each
+                # probe pays a draft and a verify row)
+                self._probe_gap = self.probe_every if self._accept0_slow >= self.break_even() \
+                    else max(self._probe_gap // 2, self.probe_every)
             elif min(self._accept0_slow, self.accept[0]) < self.break_even():
                 # a rejected probe, and drafting does not pay by the running acceptance or a slow average of it:
                 # probe half as often (the slow average alone kept an optimistic prior for some 14 probes)

@@ -1,7 +1,7 @@
 """The draft-length and draft-source choosers' decisions (draft_length.DraftLengthChooser, SourceChooser) against
 literal costs (StaticCostTable) and literal acceptances: caps, the every-probe_every extra slot, the probe schedule
-at plain steps (its doubling, its cap of 64, its reset), the confidence cut, what reaches the cost table, and
-which source drafts. test_draft_length.py and test_hybrid.py run the same choosers inside the loop."""
+at plain steps (its doubling, its cap of 64, its halving and its reset), the confidence cut, what reaches the cost
+table, and which source drafts. test_draft_length.py and test_hybrid.py run the same choosers inside the loop."""
 
 from __future__ import annotations
 
@@ -83,6 +83,35 @@ def test_rejected_probes_double_the_gap_up_to_64():
         gaps.append(plain_steps_before_a_probe(c) + 1)
         c.observe_acceptance(1, 0)
     assert gaps == [3, 6, 12, 24, 48, 64, 64, 64]
+
+
+def test_an_accepted_probe_halves_the_gap_where_drafting_usually_does_not_pay():
+    # both averages held at 0.1 (alpha and slow_alpha 0), below the break-even 0.2: a right probe is luck more
+    # often than a change of text, so the gap halves (24 -> 12) instead of going back to probe_every at once
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.1, alpha=0.0, slow_alpha=0.0, probe_every=3)
+    for _ in range(3):
+        plain_steps_before_a_probe(c)
+        c.observe_acceptance(1, 0)  # gap 3 -> 6 -> 12 -> 24
+    assert plain_steps_before_a_probe(c) == 23
+    c.observe_acceptance(1, 1)
+    assert c.best() == 0 and plain_steps_before_a_probe(c) == 11
+    c.observe_acceptance(1, 1)
+    assert plain_steps_before_a_probe(c) == 5
+    for _ in range(3):
+        c.observe_acceptance(1, 1)  # 6 -> 3, then never below probe_every
+        assert plain_steps_before_a_probe(c) == 2
+
+
+def test_an_accepted_probe_resets_the_gap_where_the_slow_average_says_drafting_pays():
+    # the slow average held at 0.3 (over the break-even 0.2) while ten rejections took the running one to 0.105
+    # and the gap to 64: a right probe (running 0.19, still no drafting) is a dip ending, so probe_every again
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.3, alpha=0.1, slow_alpha=0.0, probe_every=3)
+    for _ in range(10):
+        c.observe_acceptance(1, 0)
+    assert plain_steps_before_a_probe(c) == 63
+    c.observe_acceptance(1, 1)
+    assert c.accept[0] < c.break_even() and c.best() == 0
+    assert plain_steps_before_a_probe(c) == 2
 
 
 def test_acceptances_at_the_break_even_do_not_slow_the_probes():
