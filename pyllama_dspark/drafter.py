@@ -494,27 +494,45 @@ class PromptLookupDrafter:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max and block_size >= 1, got {ngram_min}, "
                              f"{ngram_max}, {block_size}")
         self.ngram_max, self.ngram_min, self.block_size = ngram_max, ngram_min, block_size
-        self._tokens: list[int] = []  # committed tokens by position
+        # committed tokens by position: _text[:_n] (grown by doubling). The hybrid asks for a proposal every round,
+        # so a proposal must not rebuild the text from a list (that and three sliding windows cost ~0.2 ms a
+        # round on a 2k-token context, 3 % of a decode of SmolLM2-135M)
+        self._text = np.zeros(256, np.int64)
+        self._n = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        """The committed tokens observed so far, by position."""
+        return self._text[:self._n].tolist()
 
     def reset(self) -> None:
-        self._tokens = []
+        self._n = 0
 
     def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int) -> None:
-        del self._tokens[pos0:]
-        if len(self._tokens) < pos0:
-            raise ValueError(f"observed position {pos0} after only {len(self._tokens)} tokens")
-        self._tokens.extend(int(t) for t in tokens)
+        if self._n < pos0:
+            raise ValueError(f"observed position {pos0} after only {self._n} tokens")
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        end = pos0 + len(tokens)
+        if end > len(self._text):
+            grown = np.zeros(max(end, 2 * len(self._text)), np.int64)
+            grown[:pos0] = self._text[:pos0]
+            self._text = grown
+        self._text[pos0:end] = tokens
+        self._n = end
 
     def propose(self, anchor: int, pos: int, n_max: int | None = None, sampler=None) -> Draft:
         n_max = self.block_size if n_max is None else min(int(n_max), self.block_size)
-        text = np.asarray(self._tokens[:pos] + [int(anchor)], dtype=np.int64)
-        for n in range(min(self.ngram_max, len(text) - 1), self.ngram_min - 1, -1):
-            suffix = text[-n:]
-            # start positions s < len - n where text[s:s+n] == suffix, latest first
-            windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
+        text = np.append(self._text[:min(pos, self._n)], int(anchor))
+        last = len(text) - 1
+        # the ends e < last of earlier occurrences of the last token; an n-gram match ends at one of them with
+        # the n - 1 tokens before it equal too. The longest n that matches wins, then its latest occurrence.
+        ends = np.flatnonzero(text[:last] == text[last])
+        for n in range(min(self.ngram_max, last), self.ngram_min - 1, -1):
+            hits = ends[ends >= n - 1]
+            for back in range(1, n):
+                hits = hits[text[hits - back] == text[last - back]]
             if hits.size:
-                start = int(hits[-1]) + n
+                start = int(hits[-1]) + 1
                 return Draft(tokens=text[start:start + n_max].astype(np.int32))
         return Draft(tokens=np.zeros(0, np.int32))
 

@@ -293,6 +293,38 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
         d.observe(np.array([1]), None, 5)  # a gap in the positions
 
 
+def _lookup_by_windows(tokens: list[int], anchor: int, pos: int, n_max: int, ngram_max: int, ngram_min: int):
+    """Prompt lookup as first written: every n-gram window of the text compared with its suffix."""
+    text = np.asarray(tokens[:pos] + [anchor], dtype=np.int64)
+    for n in range(min(ngram_max, len(text) - 1), ngram_min - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(text[:-1], n)
+        hits = np.flatnonzero((windows == text[-n:]).all(axis=1))
+        if hits.size:
+            return text[int(hits[-1]) + n:int(hits[-1]) + n + n_max].tolist()
+    return []
+
+
+@pytest.mark.parametrize("ngram_min, ngram_max", [(1, 3), (2, 4), (1, 1)])
+def test_prompt_lookup_proposes_what_the_window_search_proposes(ngram_min, ngram_max):
+    """The search from the occurrences of the last token (no text rebuilt per round) against every window
+    compared, on random texts of a few distinct tokens (many matches of every length), with rollbacks and a
+    text long enough to grow the buffer."""
+    rng = np.random.default_rng(ngram_min * 10 + ngram_max)
+    d = PromptLookupDrafter(ngram_min=ngram_min, ngram_max=ngram_max, block_size=5)
+    tokens: list[int] = []
+    for _ in range(300):
+        pos = int(rng.integers(max(0, len(tokens) - 3), len(tokens) + 1))  # now and then a rollback
+        new = rng.integers(0, 4, size=int(rng.integers(1, 9))).tolist()
+        d.observe(np.array(new), None, pos)
+        tokens = tokens[:pos] + new
+        assert d.tokens == tokens
+        anchor, at = int(rng.integers(0, 4)), int(rng.integers(0, len(tokens) + 1))
+        n_max = int(rng.integers(1, 7))
+        assert d.propose(anchor, at, n_max).tokens.tolist() == \
+            _lookup_by_windows(tokens, anchor, at, min(n_max, 5), ngram_max, ngram_min)
+    assert len(tokens) > 256
+
+
 def test_prompt_lookup_in_the_loop_matches_plain_greedy(target_path):
     from pyllama_dspark import Speculator, generate
 

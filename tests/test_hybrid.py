@@ -131,7 +131,7 @@ def test_the_hybrid_drafter_forwards_to_both_sources():
     fallback = hybrid.propose(99, 10, 8, source="draft")
     assert fallback.source == "draft" and len(fallback.tokens) == 6  # capped by the model drafter's block
     hybrid.reset()
-    assert model.observed == [] and hybrid.lookup._tokens == []
+    assert model.observed == [] and hybrid.lookup.tokens == []
     assert "lookup" not in hybrid.offers(5, 0, 3)  # nothing observed: no match
     assert hybrid.propose(5, 0, 3, source="lookup").tokens.tolist() == []
     with pytest.raises(ValueError, match="unknown draft source"):
