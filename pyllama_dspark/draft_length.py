@@ -49,16 +49,23 @@ def expected_tokens_by_k(accept: np.ndarray) -> np.ndarray:
 
 class CostTable:
     """Seconds per round part by row count: ``draft(k)`` (k slots drafted) and ``verify(n)`` (n target rows,
-    including the commit work that follows), each an exponential moving average of measurements.
+    including the commit work that follows).
 
-    Row counts not measured yet come from a line through the measured ones, or from the priors (in units of
-    a one-row verify) scaled to the measurements.
+    Each measured row count keeps a moving average of its measurements: the plain mean of the first 1 / alpha,
+    then an exponential one with weight alpha. A measurement above twice the average of a row count measured
+    before counts as twice the average: a stall of the machine is not the cost of a row count (a real change
+    still comes through, alpha at a time). The fill-in is a line through the measured row counts, each
+    weighted by how often it was measured (least squares), or the priors (in units of a one-row verify)
+    scaled to the measurements. A row count's estimate is its average and the fill-in weighed together,
+    the average by the number of its measurements and the fill-in by one: one slow round of a row count the
+    loop rarely runs is not taken as its cost, and it still costs what it is measured to once measured often.
     """
 
     def __init__(self, n_max: int, *, alpha: float = 0.2, verify_prior: tuple[float, float] = (1.0, 0.5),
                  draft_prior: tuple[float, float] = (0.2, 0.05), refit_every: int = 32):
         self.alpha = float(alpha)
         self._measured = {"verify": np.full(n_max + 2, np.nan), "draft": np.full(n_max + 2, np.nan)}
+        self._counts = {"verify": np.zeros(n_max + 2), "draft": np.zeros(n_max + 2)}
         self._prior = {"verify": verify_prior, "draft": draft_prior}
         # the fill-in for unmeasured row counts is refitted when a row count is measured for the first time and
         # every refit_every rounds (a least-squares fit per round would cost a few percent of a decode)
@@ -88,14 +95,16 @@ class CostTable:
             raise ValueError(f"tables for different row counts ({len(other._measured['verify']) - 2} and "
                              f"{len(self._measured['verify']) - 2} drafts) cannot share verify costs")
         self._measured["verify"] = other._measured["verify"]
+        self._counts["verify"] = other._counts["verify"]
         other._sharing.append(self)
         self._sharing = other._sharing
         self._fits = {name: self._fill(name) for name in self._measured}
 
     def _estimates(self, name: str) -> np.ndarray:
-        """The current measurement where there is one, the last fit elsewhere."""
-        measured = self._measured[name]
-        return np.where(np.isnan(measured), self._fits[name], measured)
+        """The measured average weighed with the last fit by the number of measurements; the fit alone where
+        nothing is measured."""
+        measured, counts, fit = self._measured[name], self._counts[name], self._fits[name]
+        return np.where(np.isnan(measured), fit, (counts * np.nan_to_num(measured) + fit) / (counts + 1.0))
 
     def measured(self, name: str) -> list[int]:
         """The row counts with a measurement of ``name`` ("verify" or "draft")."""
@@ -115,11 +124,16 @@ class CostTable:
 
     def _update(self, name: str, n: int, seconds: float) -> bool:
         """Fold one measurement in; True if this row count had none before."""
-        table = self._measured[name]
+        table, counts = self._measured[name], self._counts[name]
         if n >= len(table) or not np.isfinite(seconds) or seconds < 0:
             return False
         first = bool(np.isnan(table[n]))
-        table[n] = seconds if first else (1 - self.alpha) * table[n] + self.alpha * seconds
+        counts[n] += 1
+        if first:
+            table[n] = seconds
+        else:
+            weight = max(self.alpha, 1.0 / counts[n])
+            table[n] += weight * (min(seconds, 2.0 * table[n]) - table[n])
         return first
 
     def _fill(self, name: str) -> np.ndarray:
@@ -129,9 +143,10 @@ class CostTable:
         shape = base + per_row * (rows - 1)  # the prior, relative to a one-row verify
         known = np.flatnonzero(~np.isnan(table))
         if len(known) >= 2:  # a line through the measured points (least squares), not falling with more rows
-            slope, icept = np.polyfit(known, table[known], 1)
+            weight = self._counts[name][known]
+            slope, icept = np.polyfit(known, table[known], 1, w=np.sqrt(weight))  # w scales the residuals
             if slope < 0:
-                slope, icept = 0.0, float(np.mean(table[known]))
+                slope, icept = 0.0, float(np.average(table[known], weights=weight))
             estimate = np.maximum(icept + slope * rows, 0.25 * np.min(table[known]))
         elif len(known) == 1:  # one measurement: the prior's shape scaled to it
             estimate = shape * table[known[0]] / shape[known[0]]
@@ -148,14 +163,18 @@ class StaticCostTable(CostTable):
     def __init__(self, verify: dict[int, float], draft: dict[int, float]):
         n_max = max(max(verify) - 1, max(draft, default=0))
         super().__init__(n_max)
-        for n, seconds in verify.items():
-            self._measured["verify"][n] = seconds
-        for k, seconds in draft.items():
-            self._measured["draft"][k] = seconds
+        for name, given in (("verify", verify), ("draft", draft)):
+            for n, seconds in given.items():
+                self._measured[name][n], self._counts[name][n] = seconds, 1  # the fill-in weighs them alike
         self._fits = {name: self._fill(name) for name in self._measured}
 
     def observe(self, k: int, t_draft: float, t_verify: float, k_drafted: int | None = None) -> None:
         return None
+
+    def _estimates(self, name: str) -> np.ndarray:
+        """The given cost where there is one, the fit elsewhere (given costs are not averages to be doubted)."""
+        given = self._measured[name]
+        return np.where(np.isnan(given), self._fits[name], given)
 
 
 @dataclass

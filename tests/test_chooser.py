@@ -213,10 +213,11 @@ def test_measurements_that_are_ignored_do_not_refit():
     table = CostTable(4)
     table.observe(1, 0.1, 1.0)
     before = table.verify(3)
-    table.observe(1, 0.1, 3.0)  # verify 2 averaged (1.4): no new row count, no refit before refit_every rounds
+    table.observe(1, 0.1, 3.0)  # verify 2 averaged: no new row count, no refit before refit_every rounds
     table.observe(1, float("nan"), 3.0)  # an ignored draft time is not a new row count either
     table.observe(9, 0.1, 3.0, k_drafted=0)  # nor a row count past the table
-    assert table.verify(3) == before and table.verify(2) == pytest.approx(0.8 * (0.8 * 1.0 + 0.2 * 3.0) + 0.2 * 3.0)
+    # the mean of 1, 2 (3 counted as twice the average of 1) and 3, weighed 3:1 with the fill-in (1.0)
+    assert table.verify(3) == before and table.verify(2) == pytest.approx((6.0 + 1.0) / 4)
 
 
 def test_the_default_refit_comes_every_32_rounds():

@@ -1,7 +1,7 @@
 """The draft-length chooser's cost table (draft_length.CostTable, StaticCostTable) against literal values: the
-priors, one measurement scaling them, a least-squares line through two or more (never falling, floored), the
-moving average, the refit schedule, what a measurement must be to count, and verify costs shared between
-tables."""
+priors, one measurement scaling them, a least-squares line through two or more (never falling, floored, weighted by
+counts), the averages and their weighing with the line, the refit schedule, what a measurement must be to count,
+and verify costs shared between tables."""
 
 from __future__ import annotations
 
@@ -53,23 +53,46 @@ def test_two_measurements_draw_a_line_not_falling_and_floored():
     falling = CostTable(3)
     falling.observe(0, 0.0, 2.0)
     falling.observe(2, 0.0, 1.0, k_drafted=0)
-    assert verifies(falling, 3) == [1.5, 2.0, 1.5, 1.0, 1.5]  # flat at the mean where nothing is measured
+    # flat at the mean; a measured row count's one measurement weighed 1:1 with that (2.0 and 1.5, 1.0 and 1.5)
+    assert verifies(falling, 3) == [1.5, 1.75, 1.5, 1.25, 1.5]
     steep = CostTable(3)
     steep.observe(0, 0.0, 1.0)
     steep.observe(1, 0.0, 3.0, k_drafted=0)
     assert verifies(steep, 3) == [0.25, 1.0, 3.0, 5.0, 7.0]  # -1 at 0 rows, floored at a quarter of the least
 
 
-def test_repeated_measurements_are_a_moving_average_with_alpha():
-    table = CostTable(2)
-    table.observe(1, 0.1, 0.4)
-    table.observe(1, 0.3, 0.8)
-    assert table.verify(2) == pytest.approx(0.8 * 0.4 + 0.2 * 0.8)
-    assert table.draft(1) == pytest.approx(0.8 * 0.1 + 0.2 * 0.3)
+def test_repeated_measurements_are_a_plain_mean_then_a_moving_average_and_a_stall_counts_as_twice():
+    table = CostTable(2)  # alpha 0.2: the first 5 measurements plainly averaged
+    table.observe(1, 0.1, 0.4)  # the fill-in: the prior's shape through verify(2) = 0.4, draft(1) = 0.1, kept
+    for seconds in [0.8, 0.6, 0.6, 0.6]:
+        table.observe(1, 0.15, seconds)
+    # the mean 0.6 of 5 measurements weighed 5:1 with the fill-in 0.4; draft: 0.14 and 0.1
+    assert table.verify(2) == pytest.approx((5 * 0.6 + 0.4) / 6)
+    assert table.draft(1) == pytest.approx((5 * 0.14 + 0.1) / 6)
+    table.observe(1, 0.3, 0.8)  # the 6th: weight alpha
+    assert table.verify(2) == pytest.approx((6 * 0.64 + 0.4) / 7)
+    table.observe(1, 0.3, 5.0)  # a stall: counts as twice the average, 1.28
+    assert table.verify(2) == pytest.approx((7 * (0.64 + 0.2 * 0.64) + 0.4) / 8)
     half = CostTable(2, alpha=0.5)
-    half.observe(1, 0.1, 0.4)
-    half.observe(1, 0.3, 0.8)
-    assert half.verify(2) == pytest.approx(0.6) and half.draft(1) == pytest.approx(0.2)
+    for seconds in [0.4, 0.8, 0.8]:  # the mean of two, then weight 0.5
+        half.observe(1, 0.1, seconds)
+    assert half.verify(2) == pytest.approx((3 * 0.7 + 0.4) / 4)
+
+
+def test_one_slow_round_of_a_rarely_run_row_count_is_not_its_cost_nor_the_lines():
+    table = CostTable(9)
+    for _ in range(40):  # what the loop runs often: one row at 10 ms, two at 11 ms
+        table.observe(0, 0.0, 0.010)
+        table.observe(1, 0.001, 0.011)
+    table.observe(2, 0.001, 0.030)  # three rows, once, in a stall
+    # the fill-in weighs each row count by its measurements (least squares); three rows' estimate is its one
+    # measurement and the line's weighed 1:1
+    slope, icept = np.polyfit([1, 2, 3], [0.010, 0.011, 0.030], 1, w=np.sqrt([40, 40, 1]))
+    assert table.verify(3) == pytest.approx((0.030 + icept + 3 * slope) / 2)
+    assert table.verify(9) == pytest.approx(icept + 9 * slope) == pytest.approx(0.0272, abs=1e-4)
+    unweighted = np.polyval(np.polyfit([1, 2, 3], [0.010, 0.011, 0.030], 1), 9)
+    assert unweighted == pytest.approx(0.087)  # what a line through the three averages said
+    assert table.verify(1) == pytest.approx((40 * 0.010 + icept + slope) / 41)
 
 
 def test_the_fill_in_is_refitted_on_a_new_row_count_and_every_refit_every_rounds():
@@ -77,10 +100,10 @@ def test_the_fill_in_is_refitted_on_a_new_row_count_and_every_refit_every_rounds
     table.observe(0, 0.0, 1.0)
     table.observe(2, 0.0, 2.0, k_drafted=0)
     assert table.verify(2) == pytest.approx(1.5)
-    table.observe(2, 0.0, 3.0, k_drafted=0)  # row 3 now 2.2; a known row count, one round since the fit: kept
-    assert table.verify(3) == pytest.approx(2.2) and table.verify(2) == pytest.approx(1.5)
-    table.observe(0, 0.0, 1.0)  # the second round since the fit: refitted through (1, 1.0) and (3, 2.2)
-    assert table.verify(2) == pytest.approx(1.6)
+    table.observe(2, 0.0, 3.0, k_drafted=0)  # row 3's mean now 2.5; a known row count, one round since the fit
+    assert table.verify(3) == pytest.approx((2 * 2.5 + 2.0) / 3) and table.verify(2) == pytest.approx(1.5)
+    table.observe(0, 0.0, 1.0)  # the second round since the fit: refitted through (1, 1.0) and (3, 2.5)
+    assert table.verify(2) == pytest.approx(1.75) and table.verify(3) == pytest.approx(2.5)
 
 
 def test_a_table_that_joins_later_counts_its_rounds_to_a_refit_from_its_creation():
@@ -130,7 +153,8 @@ def test_shared_verify_costs_are_read_and_updated_by_every_table():
     third = CostTable(3)
     third.share_verify(other)  # joins the same group
     other.observe(0, 0.0, 0.3)
-    assert third.verify(1) == target.verify(1) == pytest.approx(0.3)
+    # 0.3 weighed 1:1 with the refitted line's 0.25 (through (1, 0.3), (2, 0.6), (3, 1.2))
+    assert third.verify(1) == target.verify(1) == pytest.approx(0.275)
     assert drafts(third, 2) == [0.0, 0.06, 0.075]  # its draft prior in units of the shared one-row verify
 
 
