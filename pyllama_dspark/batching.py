@@ -634,6 +634,7 @@ class BatchScheduler:
             seq.stats.t_verify += share_verify
             if seq.chooser is not None:
                 seq.chooser.observe_round(source, k, n, share_draft, share_verify, k_drafted=n_drafted[seq])
+                seq.chooser.observe_commit(committed)
                 for name, offer in offers[seq].items():  # a free proposal left unverified still shows how good
                     if offer is not None and (name != source or k == 0):
                         seq.chooser.observe_free(name, offer.tokens, committed)

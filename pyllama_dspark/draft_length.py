@@ -30,6 +30,7 @@ acceptance stays current even in rounds another source drafts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Collection, Mapping, Sequence
 
@@ -45,6 +46,11 @@ def expected_tokens_by_k(accept: np.ndarray) -> np.ndarray:
     """E[tokens | k] for k = 0..len(accept): 1, 1 + a0, 1 + a0 + a0 a1, ..."""
     gains = np.cumprod(np.asarray(accept, dtype=np.float64))
     return np.concatenate([[1.0], 1.0 + np.cumsum(gains)])
+
+
+def _rate(tokens: float, seconds: float) -> float:
+    """tokens / seconds, infinite for no time (as numpy divides: a round measured at 0 s is the best)."""
+    return tokens / seconds if seconds > 0 else math.inf
 
 
 class CostTable:
@@ -70,8 +76,8 @@ class CostTable:
         # the fill-in for unmeasured row counts is refitted when a row count is measured for the first time and
         # every refit_every rounds (a least-squares fit per round would cost a few percent of a decode)
         self._refit_every, self._since_fit = int(refit_every), 0
-        self._fits = {name: self._fill(name) for name in self._measured}
         self._sharing = [self]  # the tables that read one verify measurement (share_verify)
+        self._refit()
 
     def observe(self, k: int, t_draft: float, t_verify: float, k_drafted: int | None = None) -> None:
         """One round's measured parts: a draft of k_drafted slots (default k; t_draft is 0 for none) and a
@@ -84,8 +90,7 @@ class CostTable:
         self._since_fit += 1
         if new or self._since_fit >= self._refit_every:
             for table in self._sharing:  # their fill-in reads the verify measurements just updated
-                table._fits = {name: table._fill(name) for name in table._measured}
-                table._since_fit = 0
+                table._refit()
 
     def share_verify(self, other: CostTable) -> None:
         """Read and update ``other``'s verify measurements from now on (this table's own are dropped); the draft
@@ -98,7 +103,15 @@ class CostTable:
         self._counts["verify"] = other._counts["verify"]
         other._sharing.append(self)
         self._sharing = other._sharing
+        self._refit()
+
+    def _refit(self) -> None:
         self._fits = {name: self._fill(name) for name in self._measured}
+        self._since_fit = 0
+        # the estimates, kept up to date between fits (the chooser reads them several times a round)
+        self._estimated = {name: self._estimates(name) for name in self._measured}
+        self._estimated["draft"][0] = 0.0
+        self._round = (self._estimated["draft"][:-1] + self._estimated["verify"][1:]).tolist()
 
     def _estimates(self, name: str) -> np.ndarray:
         """The measured average weighed with the last fit by the number of measurements; the fit alone where
@@ -106,21 +119,34 @@ class CostTable:
         measured, counts, fit = self._measured[name], self._counts[name], self._fits[name]
         return np.where(np.isnan(measured), fit, (counts * np.nan_to_num(measured) + fit) / (counts + 1.0))
 
+    def _estimate_again(self, name: str, n: int) -> None:
+        """Row count n's estimate after a measurement of it (as _estimates, between fits)."""
+        count = float(self._counts[name][n])
+        value = (count * float(self._measured[name][n]) + float(self._fits[name][n])) / (count + 1.0)
+        self._estimated[name][n] = value
+        if name == "verify":
+            self._round[n - 1] = float(self._estimated["draft"][n - 1]) + value
+        elif 0 < n < len(self._round):
+            self._round[n] = value + float(self._estimated["verify"][n + 1])
+
     def measured(self, name: str) -> list[int]:
         """The row counts with a measurement of ``name`` ("verify" or "draft")."""
         return [int(n) for n in np.flatnonzero(~np.isnan(self._measured[name]))]
 
     def verify(self, n: int) -> float:
-        return float(self._estimates("verify")[n])
+        return float(self._estimated["verify"][n])
 
     def draft(self, k: int) -> float:
-        return 0.0 if k == 0 else float(self._estimates("draft")[k])
+        return 0.0 if k == 0 else float(self._estimated["draft"][k])
 
     def round_seconds(self, k_max: int) -> np.ndarray:
         """draft(k) + verify(k + 1) for k = 0..k_max."""
-        draft = self._estimates("draft")[: k_max + 1]
-        draft[0] = 0.0
-        return draft + self._estimates("verify")[1: k_max + 2]
+        return np.array(self._round[: k_max + 1])
+
+    def round_seconds_list(self, k_max: int) -> list[float]:
+        """``round_seconds`` as a list (for the chooser's per-round arithmetic: a few floats, where numpy's
+        overhead per call would be most of the time)."""
+        return self._round[: k_max + 1]
 
     def _update(self, name: str, n: int, seconds: float) -> bool:
         """Fold one measurement in; True if this row count had none before."""
@@ -134,6 +160,8 @@ class CostTable:
         else:
             weight = max(self.alpha, 1.0 / counts[n])
             table[n] += weight * (min(seconds, 2.0 * table[n]) - table[n])
+        for sharer in self._sharing if name == "verify" else [self]:
+            sharer._estimate_again(name, n)
         return first
 
     def _fill(self, name: str) -> np.ndarray:
@@ -166,7 +194,7 @@ class StaticCostTable(CostTable):
         for name, given in (("verify", verify), ("draft", draft)):
             for n, seconds in given.items():
                 self._measured[name][n], self._counts[name][n] = seconds, 1  # the fill-in weighs them alike
-        self._fits = {name: self._fill(name) for name in self._measured}
+        self._refit()
 
     def observe(self, k: int, t_draft: float, t_verify: float, k_drafted: int | None = None) -> None:
         return None
@@ -230,10 +258,18 @@ class DraftLengthChooser:
     def best_rate(self, k_max: int | None = None) -> tuple[int, float]:
         """``best(k_max)`` and the expected tokens per second (per cost unit) of a round drafting that many."""
         k_max = self.k_max if k_max is None else max(0, min(int(k_max), self.k_max))
-        rates = expected_tokens_by_k(self.accept[:k_max]) / self.costs.round_seconds(k_max)
-        rates[1:] /= 1.0 + self.margin  # a draft must beat a plain step by the margin (the rate returned too)
-        k = int(np.argmax(rates))
-        return k, float(rates[k])
+        # expected_tokens_by_k over round_seconds, the first best k; in floats, not numpy (called a few times a
+        # round on a few values, where numpy's overhead per call was ~20 us of each call's ~21)
+        seconds = self.costs.round_seconds_list(k_max)
+        best_k, best = 0, _rate(1.0, seconds[0])
+        gain, gains = 1.0, 0.0  # summed as expected_tokens_by_k sums them, to the same float
+        for k, accept in enumerate(self.accept[:k_max].tolist(), start=1):
+            gain *= accept
+            gains += gain
+            rate = _rate(1.0 + gains, seconds[k]) / (1.0 + self.margin)  # a draft must beat a plain step by the margin
+            if rate > best:
+                best_k, best = k, rate
+        return best_k, best
 
     def plan(self, k_max: int | None = None) -> int:
         """Slots to draft this round (0 = a plain decode step)."""
@@ -320,6 +356,9 @@ class SourceChooser:
             raise ValueError("a SourceChooser needs at least one source")
         rows = max(int(k) for k in k_max.values())
         self.choosers = {name: DraftLengthChooser(int(k), margin=margin) for name, k in k_max.items()}
+        # free proposals whose slots so far all matched, waiting for the next rounds' tokens: (source, the slots
+        # not scored yet, the proposal's length, its slots found right)
+        self._waiting: list[tuple[str, list[int], int, int]] = []
         first = None
         for chooser in self.choosers.values():
             chooser.costs = CostTable(rows)  # one size for all, so that the verify measurements can be shared
@@ -369,9 +408,31 @@ class SourceChooser:
     def observe_free(self, source: str, proposed: Sequence[int], committed: Sequence[int]) -> None:
         """A free source's proposal that was not verified, scored against the tokens the round committed (the
         accepted drafts, then the target's token): slot i is reached while the slots before it match and the
-        target's token there is known, and accepted if it matches that token. At temperature > 0 a committed
-        token is a draw from the target's distribution, so a deterministic proposal matches it with exactly
-        the probability that rejection sampling would have accepted it."""
-        k = min(len(proposed), len(committed))
-        matched = next((i for i in range(k) if int(proposed[i]) != int(committed[i])), k)
-        self.choosers[source].observe_acceptance(k, matched)
+        target's token there is known, and accepted if it matches that token. Where every committed token
+        matched and the proposal goes on, its rest is scored against what the next rounds commit
+        (``observe_commit``): a plain round commits one token, and scoring only that left the acceptance of
+        the later slots to the rounds that draft them, at their optimistic prior until then. At temperature
+        > 0 a committed token is a draw from the target's distribution, so a deterministic proposal matches it
+        with exactly the probability that rejection sampling would have accepted it."""
+        self._score(source, [int(t) for t in proposed], len(proposed), 0, committed)
+
+    def observe_commit(self, committed: Sequence[int]) -> None:
+        """The tokens a round committed, for the free proposals of earlier rounds still waiting for them; call it
+        every round, before that round's ``observe_free``."""
+        waiting, self._waiting = self._waiting, []
+        for source, rest, length, matched in waiting:
+            self._score(source, rest, length, matched, committed)
+
+    def forget_waiting(self) -> None:
+        """Drop the proposals still waiting for tokens (a new text: the tokens they wait for never come)."""
+        self._waiting = []
+
+    def _score(self, source: str, rest: list[int], length: int, matched: int, committed: Sequence[int]) -> None:
+        """Compare a proposal's unscored slots ``rest`` (of ``length``, ``matched`` right before them) with the
+        committed tokens that follow them; score it once a slot is wrong or the proposal is used up."""
+        known = min(len(rest), len(committed))
+        right = next((i for i in range(known) if rest[i] != int(committed[i])), known)
+        if right == len(committed) < len(rest):
+            self._waiting.append((source, rest[right:], length, matched + right))
+        else:
+            self.choosers[source].observe_acceptance(length, matched + right)

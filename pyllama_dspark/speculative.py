@@ -208,6 +208,8 @@ class Speculator:
         ctx, n_ctx = self.target, self.target.n_ctx_seq
         keep = ctx._reusable_prefix(self, tokens) if reuse_prefix else 0
         ctx._forget()
+        if self.source_chooser is not None:
+            self.source_chooser.forget_waiting()
         stats.n_reused = keep
         t0 = time.perf_counter()
         anchor, logprob = self._prefill(tokens, sampler, rules, keep)
@@ -318,6 +320,7 @@ class Speculator:
         stats.t_verify += t2 - t1
         if self.source_chooser is not None:
             self.source_chooser.observe_round(source, k, n, t1 - t0, t2 - t1, k_drafted=n_drafted)
+            self.source_chooser.observe_commit(committed)
             for name, offer in offers.items():  # a free proposal left unverified still shows how good it was
                 if offer is not None and (name != source or k == 0):
                     self.source_chooser.observe_free(name, offer.tokens, committed)

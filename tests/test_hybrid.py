@@ -101,6 +101,28 @@ def test_a_free_proposal_is_scored_against_what_the_target_committed():
     assert lookup.accept[2:].tolist() == before[2:].tolist()
 
 
+def test_a_free_proposal_longer_than_the_round_waits_for_the_next_rounds_tokens():
+    chooser = SourceChooser({"lookup": 4, "dspark": 4})
+    lookup = chooser.choosers["lookup"]
+    prior = lookup.accept.copy()
+    chooser.observe_free("lookup", [5, 6, 7, 8], committed=[5])  # a plain round: slot 0 right, 1-3 unknown yet
+    assert lookup.accept.tolist() == prior.tolist()  # nothing scored yet
+    chooser.observe_commit([6])  # the next round: slot 1 right
+    assert lookup.accept.tolist() == prior.tolist()
+    chooser.observe_commit([9, 4])  # slot 2 wrong: scored now, slots 0-1 right, 2 wrong, 3 not reached
+    assert lookup.accept[:2].tolist() == pytest.approx((prior[:2] + 0.1 * (1 - prior[:2])).tolist())
+    assert lookup.accept[2] == pytest.approx(prior[2] * 0.9) and lookup.accept[3] == prior[3]
+    chooser.observe_commit([1])  # scored once: nothing waits any more
+    assert lookup.accept[2] == pytest.approx(prior[2] * 0.9)
+    chooser.observe_free("lookup", [1, 2], committed=[1])
+    chooser.observe_commit([2, 3])  # used up: both slots right
+    assert lookup.accept[1] == pytest.approx(1 - 0.9 ** 2 * (1 - prior[1]))  # right twice now
+    chooser.observe_free("lookup", [7, 7], committed=[7])
+    chooser.forget_waiting()  # a new text: the proposal's next token never comes
+    chooser.observe_commit([7])
+    assert lookup.accept[0] == pytest.approx(1 - 0.9 ** 2 * (1 - prior[0]))  # the two scored proposals only
+
+
 def test_the_sources_share_the_verify_costs_and_keep_their_own_draft_costs():
     chooser = SourceChooser({"lookup": 4, "dspark": 4})
     chooser.observe_round("dspark", 3, 1, 0.003, 0.012)
