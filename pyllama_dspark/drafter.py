@@ -522,18 +522,23 @@ class PromptLookupDrafter:
 
     def propose(self, anchor: int, pos: int, n_max: int | None = None, sampler=None) -> Draft:
         n_max = self.block_size if n_max is None else min(int(n_max), self.block_size)
-        text = np.append(self._text[:min(pos, self._n)], int(anchor))
-        last = len(text) - 1
-        # the ends e < last of earlier occurrences of the last token; an n-gram match ends at one of them with
-        # the n - 1 tokens before it equal too. The longest n that matches wins, then its latest occurrence.
-        ends = np.flatnonzero(text[:last] == text[last])
+        # the text is the committed tokens before pos, then the anchor at index last (not appended: that copies the
+        # whole text every round). The ends e < last of earlier occurrences of the anchor; an n-gram match ends at
+        # one of them with the n - 1 tokens before it equal too. The longest n that matches wins, then its latest
+        # occurrence.
+        last = min(pos, self._n)
+        text = self._text
+        ends = np.flatnonzero(text[:last] == anchor)
         for n in range(min(self.ngram_max, last), self.ngram_min - 1, -1):
             hits = ends[ends >= n - 1]
             for back in range(1, n):
                 hits = hits[text[hits - back] == text[last - back]]
             if hits.size:
-                start = int(hits[-1]) + 1
-                return Draft(tokens=text[start:start + n_max].astype(np.int32))
+                start = int(hits[-1]) + 1  # <= last; what follows the match, the anchor included where reached
+                proposal = text[start:min(start + n_max, last)].astype(np.int32)
+                if start + n_max > last:
+                    proposal = np.append(proposal, np.int32(anchor))
+                return Draft(tokens=proposal)
         return Draft(tokens=np.zeros(0, np.int32))
 
 

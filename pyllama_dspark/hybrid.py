@@ -147,4 +147,6 @@ class HybridDrafter:
         return replace(draft, source=self.model_source)
 
     def _lookup(self, anchor: int, pos: int, n_max: int, sampler) -> Draft:
-        return replace(self.lookup.propose(anchor, pos, n_max, sampler=sampler), source=LOOKUP)
+        found = self.lookup.propose(anchor, pos, n_max, sampler=sampler)
+        found.source = LOOKUP  # a fresh Draft: named in place (dataclasses.replace costs ~10 us a round)
+        return found
