@@ -14,8 +14,9 @@ Two decisions per round, both pure functions of the state below:
    only the verify cost of each further token weighs against its expected gain).
 
 Costs are seconds measured on the running machine by the loop (``observe_round``), kept current with
-an exponential moving average per row count; row counts not measured yet are filled from a straight
-line through the measured ones (cost grows about linearly with rows at these sizes). A chooser that
+a moving average per row count (``CostTable``: robust to one stalled round); row counts not measured yet
+are filled from a straight line through the measured ones, weighted by how often each was measured (cost
+grows about linearly with rows at these sizes). A chooser that
 settled on k = 0 still probes one draft token now and then (every ``probe_every`` plain rounds, the gap
 doubling after rejected probes while drafting keeps not paying), so a drafter that becomes useful later
 in the text is noticed.
@@ -75,7 +76,7 @@ class CostTable:
         self._prior = {"verify": verify_prior, "draft": draft_prior}
         # the fill-in for unmeasured row counts is refitted when a row count is measured for the first time and
         # every refit_every rounds (a least-squares fit per round would cost a few percent of a decode)
-        self._refit_every, self._since_fit = int(refit_every), 0
+        self._refit_every = int(refit_every)
         self._sharing = [self]  # the tables that read one verify measurement (share_verify)
         self._refit()
 
@@ -117,8 +118,8 @@ class CostTable:
         """The measured average weighed with the last fit by the number of measurements; the fit alone where
         nothing is measured."""
         measured, counts, fit = self._measured[name], self._counts[name], self._fits[name]
-        unmeasured = np.isnan(measured)
-        return np.where(unmeasured, fit, (counts * np.where(unmeasured, 0.0, measured) + fit) / (counts + 1.0))
+        # an unmeasured row count has count 0: the fit alone
+        return (counts * np.where(np.isnan(measured), 0.0, measured) + fit) / (counts + 1.0)
 
     def _estimate_again(self, name: str, n: int) -> None:
         """Row count n's estimate after a measurement of it (as _estimates, between fits)."""
@@ -127,7 +128,7 @@ class CostTable:
         self._estimated[name][n] = value
         if name == "verify":
             self._round[n - 1] = float(self._estimated["draft"][n - 1]) + value
-        elif 0 < n < len(self._round):
+        elif n < len(self._round):  # a draft of n >= 1 slots (the last row count has no round: no verify row)
             self._round[n] = value + float(self._estimated["verify"][n + 1])
 
     def measured(self, name: str) -> list[int]:
@@ -138,7 +139,7 @@ class CostTable:
         return float(self._estimated["verify"][n])
 
     def draft(self, k: int) -> float:
-        return 0.0 if k == 0 else float(self._estimated["draft"][k])
+        return float(self._estimated["draft"][k])  # 0 for k = 0 (set by _refit)
 
     def round_seconds(self, k_max: int) -> np.ndarray:
         """draft(k) + verify(k + 1) for k = 0..k_max."""
@@ -161,7 +162,7 @@ class CostTable:
         else:
             weight = max(self.alpha, 1.0 / counts[n])
             table[n] += weight * (min(seconds, 2.0 * table[n]) - table[n])
-        for sharer in self._sharing if name == "verify" else [self]:
+        for sharer in self._sharing if name == "verify" else (self,):  # one verify measurement serves every sharer
             sharer._estimate_again(name, n)
         return first
 
@@ -177,10 +178,8 @@ class CostTable:
             total = weight.sum()
             x_mean, y_mean = float(weight @ known) / total, float(weight @ values) / total
             dx = known - x_mean
-            slope = float(np.sum(weight * dx * (values - y_mean)) / np.sum(weight * dx * dx))
-            icept = y_mean - slope * x_mean
-            if slope < 0:
-                slope, icept = 0.0, y_mean
+            slope = max(0.0, float(np.sum(weight * dx * values) / np.sum(weight * dx * dx)))  # sum(weight * dx) = 0
+            icept = y_mean - slope * x_mean  # flat at the weighted mean where the line would fall
             estimate = np.maximum(icept + slope * rows, 0.25 * np.min(table[known]))
         elif len(known) == 1:  # one measurement: the prior's shape scaled to it
             estimate = shape * table[known[0]] / shape[known[0]]

@@ -279,3 +279,33 @@ def test_the_margin_keeps_plain_steps_where_a_draft_pays_by_less():
     assert c.break_even() == pytest.approx(1.05 * 1.2 - 1)
     assert c.best_rate() == (1, pytest.approx(1.27 / 1.2 / 1.05))  # the rate a source is compared by, deflated
     assert DraftLengthChooser(4).margin == 0.05 and SourceChooser({"a": 2}).choosers["a"].margin == 0.05
+
+
+def test_every_probe_every_th_drafting_round_drafts_one_slot_more_and_no_other():
+    c = chooser(BEST_ONE, probe_every=4)
+    assert [c.plan() for _ in range(8)] == [1, 1, 1, 2, 1, 1, 1, 2]
+
+
+def test_the_probe_gap_counts_plain_rounds_from_the_last_drafting_round():
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, probe_every=4)
+    c.plan()
+    c.plan()  # two plain rounds that would count towards a probe...
+    c.accept[:] = 0.9
+    assert c.plan() == 1  # ...but a drafting round comes between
+    c.accept[:] = 0.0
+    assert plain_steps_before_a_probe(c) == 3  # three plain rounds, then the probe on the fourth
+
+
+def test_the_slow_average_of_slot_0_moves_by_slow_alpha_on_rounds_that_drafted():
+    c = chooser(ONE_IF_ABOVE_0_2, k_max=2, accept_prior=0.8, slow_alpha=0.05)
+    c.observe_acceptance(1, 0)
+    assert c._accept0_slow == pytest.approx(0.8 - 0.05 * 0.8)
+    c.observe_acceptance(2, 1)
+    assert c._accept0_slow == pytest.approx(0.76 + 0.05 * (1 - 0.76))
+    c.observe_acceptance(0, 0)  # nothing drafted: no change
+    assert c._accept0_slow == pytest.approx(0.772)
+
+
+def test_a_source_chooser_gives_its_margin_to_every_source():
+    sources = SourceChooser({"lookup": 8, "dspark": 4}, margin=0.25)
+    assert [c.margin for c in sources.choosers.values()] == [0.25, 0.25]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyllama_dspark.draft_length import CostTable, StaticCostTable
+from pyllama_dspark.draft_length import CostTable, DraftLengthChooser, StaticCostTable
 
 
 def verifies(table, n_max):
@@ -195,3 +195,37 @@ def test_a_chooser_takes_zero_drafts_and_refuses_fewer():
     with pytest.raises(ValueError) as err:
         DraftLengthChooser(k_max=-1)
     assert str(err.value) == "k_max must be >= 0, got -1"
+
+
+def from_scratch(table, name):
+    """A row count's estimate recomputed from the measurements and the last fit (what the table keeps current)."""
+    measured, counts, fit = table._measured[name], table._counts[name], table._fits[name]
+    return np.where(np.isnan(measured), fit, (counts * np.nan_to_num(measured) + fit) / (counts + 1.0))
+
+
+def test_the_estimates_kept_between_fits_are_what_the_measurements_and_the_last_fit_give():
+    rng = np.random.default_rng(7)
+    first, second = CostTable(5, refit_every=1000), CostTable(5, refit_every=1000, draft_prior=(0.3, 0.1))
+    second.share_verify(first)
+    for round_ in range(300):  # rounds of either table, row counts all over, some beyond the table
+        table = (first, second)[int(rng.integers(2))]
+        k = int(rng.integers(0, 8))
+        table.observe(k, float(rng.uniform(0.001, 0.004)), float(rng.uniform(0.005, 0.02)),
+                      k_drafted=k + int(rng.integers(0, 2)))
+        for each in (first, second):
+            verify, draft = from_scratch(each, "verify"), from_scratch(each, "draft")
+            assert [each.verify(n) for n in range(7)] == pytest.approx(verify.tolist(), rel=1e-12)
+            assert [each.draft(k) for k in range(1, 7)] == pytest.approx(draft[1:].tolist(), rel=1e-12)
+            assert each.draft(0) == 0.0
+            rounds = [each.draft(k) + each.verify(k + 1) for k in range(6)]
+            assert each.round_seconds(5).tolist() == pytest.approx(rounds, rel=1e-12)
+            assert each.round_seconds_list(5) == each.round_seconds(5).tolist()
+            assert each.round_seconds_list(2) == each.round_seconds(5).tolist()[:3]
+
+
+def test_a_round_measured_at_no_time_is_the_best_rate_not_an_error():
+    chooser = DraftLengthChooser(2)
+    chooser.costs = StaticCostTable(verify={1: 1.0, 2: 0.0, 3: 1.0}, draft={1: 0.0, 2: 0.0})
+    assert chooser.best_rate() == (1, float("inf"))
+    chooser.costs = StaticCostTable(verify={1: 0.0, 2: 0.0, 3: 0.0}, draft={1: 0.0, 2: 0.0})
+    assert chooser.best_rate() == (0, float("inf"))  # all infinite: the first

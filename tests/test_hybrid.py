@@ -117,10 +117,13 @@ def test_a_free_proposal_longer_than_the_round_waits_for_the_next_rounds_tokens(
     chooser.observe_free("lookup", [1, 2], committed=[1])
     chooser.observe_commit([2, 3])  # used up: both slots right
     assert lookup.accept[1] == pytest.approx(1 - 0.9 ** 2 * (1 - prior[1]))  # right twice now
+    before = lookup.accept.copy()
+    chooser.observe_free("lookup", [4, 4], committed=[4, 4])  # used up by the round itself: scored now
+    assert lookup.accept[:2].tolist() == pytest.approx((1 - 0.9 * (1 - before[:2])).tolist())
     chooser.observe_free("lookup", [7, 7], committed=[7])
     chooser.forget_waiting()  # a new text: the proposal's next token never comes
     chooser.observe_commit([7])
-    assert lookup.accept[0] == pytest.approx(1 - 0.9 ** 2 * (1 - prior[0]))  # the two scored proposals only
+    assert lookup.accept[0] == pytest.approx(1 - 0.9 ** 3 * (1 - prior[0]))  # the three scored proposals only
 
 
 def test_the_sources_share_the_verify_costs_and_keep_their_own_draft_costs():
