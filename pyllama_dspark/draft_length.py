@@ -161,7 +161,9 @@ class CostTable:
             table[n] = seconds
         else:
             weight = max(self.alpha, 1.0 / counts[n])
-            table[n] += weight * (min(seconds, 2.0 * table[n]) - table[n])
+            if table[n] > 0:  # (an average of 0 s would cap every later measurement at 0)
+                seconds = min(seconds, 2.0 * table[n])
+            table[n] += weight * (seconds - table[n])
         for sharer in self._sharing if name == "verify" else (self,):  # one verify measurement serves every sharer
             sharer._estimate_again(name, n)
         return first

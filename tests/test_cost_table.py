@@ -137,6 +137,8 @@ def test_zero_seconds_counts_and_row_counts_beyond_the_table_are_ignored():
     assert table.measured("verify") == [2] and table.measured("draft") == [1, 3]
     table.observe(2, 1.0, 1.0)  # 3 rows fit (the last row count)
     assert table.measured("verify") == [2, 3] and table.measured("draft") == [1, 2, 3]
+    table.observe(1, 0.5, 0.5)  # after an average of 0 s a measurement counts whole (twice 0 would be 0)
+    assert table._measured["verify"][2] == pytest.approx(0.25) and table._measured["draft"][1] == pytest.approx(0.25)
 
 
 def test_shared_verify_costs_are_read_and_updated_by_every_table():
