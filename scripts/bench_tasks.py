@@ -183,11 +183,11 @@ def run_batched(model, drafter_path, tasks, parallels, settings, n_predict) -> d
             first = prompt_text(model, next(iter(tasks.values()))[0]["messages"])
             for llm in (plain_llm, spec_llm):
                 llm.generate_batch([first], parallel=parallel, max_tokens=4)
-            for category, rows in tasks.items():
+            for index, (category, rows) in enumerate(tasks.items()):
                 texts = [prompt_text(model, row["messages"]) for row in rows]
                 figures = {}
                 pair = [("plain", plain_llm), ("speculative", spec_llm)]
-                for name, llm in pair if len(out.get(str(parallel), {})) % 2 == 0 else pair[::-1]:
+                for name, llm in pair if index % 2 == 0 else pair[::-1]:  # who goes first alternates
                     t0 = time.perf_counter()
                     results = llm.generate_batch(texts, parallel=parallel, max_tokens=n_predict)
                     wall = time.perf_counter() - t0
