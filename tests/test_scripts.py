@@ -251,3 +251,14 @@ def test_bench_tasks_small(tmp_path, make_pair):
     assert set(result["batched"]["2"]) == {"qa", "code_edit"}
     assert all(f["token_match"] == 2 for f in result["batched"]["2"].values())
     assert not plotting or plot.stat().st_size > 0
+
+
+def test_bench_batch_ceiling_small(tmp_path, make_model):
+    path = make_model(arch="llama", n_layer=2)
+    result = run_script("bench_batch_ceiling.py", "--model", str(path), "--sequences", "1", "3", "--rows", "2", "3",
+                        "--contexts", "5", "40", "--repeats", "1", tmp_path=tmp_path)
+    assert set(result["table"]) == {"1x5", "3x5", "1x40", "3x40"}
+    for cost in result["table"].values():
+        assert set(cost["relative"]) == {"1", "2", "3"} and cost["relative"]["1"] == 1.0
+        assert cost["ceiling"]["2"] == pytest.approx(2 / cost["relative"]["2"])
+        assert cost["tau_needed"]["3"] == pytest.approx(1.2 * cost["relative"]["3"])
