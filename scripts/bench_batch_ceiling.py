@@ -25,14 +25,9 @@ from pathlib import Path
 
 from pyllama_dspark import Batch, Context, Model, bundled
 
-
-def filler_tokens(model: Model, n: int) -> list[int]:
-    """n ordinary token ids: a sentence repeated (the cells' content does not change what a decode costs)."""
-    if model.has_vocab:
-        ids = [int(t) for t in model.tokenize("The quick brown fox jumps over the lazy dog near the river bank. ")]
-    else:
-        ids = [(i * 37) % (model.n_vocab - 1) + 1 for i in range(30)]
-    return [ids[i % len(ids)] for i in range(n)]
+# run as a script, this folder is on sys.path: the chat prompt (or made-up ids without a vocabulary) repeated to a
+# length, as the single-sequence verify table fills its cache
+from bench_verify_cost import context_tokens, prompt_ids
 
 
 def batch_costs(model: Model, n_seq: int, n_cells: int, rows: list[int], repeats: int, n_threads: int | None) -> dict:
@@ -41,7 +36,7 @@ def batch_costs(model: Model, n_seq: int, n_cells: int, rows: list[int], repeats
     n_ctx_seq = n_cells + top + 64
     with Context(model, n_ctx=n_ctx_seq * n_seq, n_seq_max=n_seq, n_batch=max(512, n_seq * top),
                  n_threads=n_threads) as ctx:
-        context = filler_tokens(model, n_cells + top)
+        context = context_tokens(prompt_ids(model), n_cells + top)
         batch = Batch(max(512, n_seq * top), n_seq_max=n_seq)
         for seq in range(n_seq):  # each stream prefilled alone, in chunks
             for start in range(0, n_cells, 512):
