@@ -22,10 +22,11 @@ from . import checks
 from .batching import BatchRequest, BatchScheduler
 from .completions import completion, completion_chunks, completion_head
 from .context import CancelToken, Context
-from .drafter import DSparkDrafter, PromptLookupDrafter
+from .drafter import DSparkDrafter, HistoryDrafter, PromptLookupDrafter
 from .errors import DecodeAbortedError
 from .generate import (GenerationResult, OutputRules, TokenEvent, generate, output_options, prompt_tokens,
                        sampling_params)
+from .history import DEFAULT_HISTORY_TOKENS, HISTORY_BLOCK, HistoryStore
 from .hybrid import HybridDrafter
 from .model import Model, read_header
 from .sampling import Sampler
@@ -37,7 +38,8 @@ from .tools import call_grammar, check_tool_choice, check_tools, prompt_messages
 
 def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str] | Any | None = None, *,
          n_ctx: int = 4096, n_threads: int | None = None, n_draft: int | None = None, n_draft_min: int = 0,
-         p_min: float = 0.0, prompt_lookup: bool | None = None, n_gpu_layers: int | None = None,
+         p_min: float = 0.0, prompt_lookup: bool | None = None, history_tokens: int = DEFAULT_HISTORY_TOKENS,
+         grammar_drafts: bool = True, n_gpu_layers: int | None = None,
          rpc_servers: Sequence[str] = (), tensor_split: Sequence[float] | None = None, **context_kwargs) -> LLM:
     """Load a target model (and optionally a DSpark drafter) ready to generate.
 
@@ -58,6 +60,12 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
             hybrid is the default because it beat the DSpark drafter alone on every task category measured and
             was level with prompt lookup alone overall (README "Which configuration"); False keeps the DSpark
             drafter alone.
+        history_tokens: with prompt lookup beside a DSpark drafter (the default configuration), a third free
+            source drafts from the replies of this LLM's earlier generations (``HistoryStore``: the continuation
+            of the text's longest suffix found there), kept up to this many tokens, the oldest dropped first;
+            the store is shared by ``generate``, ``generate_batch`` and the server's slots. 0: no history.
+        grammar_drafts: under a grammar, draft the tokens it forces (continued by prompt lookup or history
+            where it is free again); verified like any draft. False: the grammar only masks.
         n_gpu_layers: target layers to offload to a GPU or the RPC servers (default: all with ``rpc_servers``,
             else 0). A DSpark drafter's own layers stay local unless it is given.
         rpc_servers, tensor_split: the target's layers on rpc-servers (see ``Model``); a path target only.
@@ -69,6 +77,8 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
     """
     n_ctx = checks.integer("n_ctx", n_ctx, minimum=1)
     n_threads = checks.optional_integer("n_threads", n_threads, minimum=1)
+    history_tokens = checks.integer("history_tokens", history_tokens, minimum=0)
+    checks.instance("grammar_drafts", grammar_drafts, bool)
     if prompt_lookup is not None:
         checks.instance("prompt_lookup", prompt_lookup, bool)
     if not isinstance(target, (Model, str, os.PathLike)):
@@ -81,7 +91,7 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
     try:
         return LLM(model, drafter, owns_model=owns_model, n_ctx=n_ctx, n_threads=n_threads, n_draft=n_draft,
                    n_draft_min=n_draft_min, p_min=p_min, prompt_lookup=prompt_lookup, n_gpu_layers=n_gpu_layers or 0,
-                   **context_kwargs)
+                   history_tokens=history_tokens, grammar_drafts=grammar_drafts, **context_kwargs)
     except BaseException:
         if owns_model:
             model.close()
@@ -94,12 +104,14 @@ class LLM:
     Attributes:
         model, ctx: the target's Model and Context.
         drafter: the Drafter (a ``HybridDrafter`` with ``prompt_lookup``), or None for plain decoding.
+        history: the ``HistoryStore`` of earlier replies the hybrid drafts from (None: no history source).
         speculator: the Speculator over ctx and drafter, or None.
     """
 
     def __init__(self, model: Model, drafter, *, owns_model: bool, n_ctx: int, n_threads: int | None,
                  n_draft: int | None, n_gpu_layers: int, n_draft_min: int = 0, p_min: float = 0.0,
-                 prompt_lookup: bool | None = None, **context_kwargs):
+                 prompt_lookup: bool | None = None, history_tokens: int = DEFAULT_HISTORY_TOKENS,
+                 grammar_drafts: bool = True, **context_kwargs):
         self.model, self._owns_model = model, owns_model
         is_path = isinstance(drafter, (str, os.PathLike))
         if prompt_lookup is None:  # the default configuration: a DSpark drafter with prompt lookup
@@ -111,24 +123,27 @@ class LLM:
                  else getattr(drafter, "block_size", 0))
         # made before the target's context, whose rollback snapshots must cover the larger of the two blocks
         lookup = PromptLookupDrafter() if prompt_lookup else None
+        # earlier replies, a free source beside prompt lookup in the hybrid (shared with the batch schedulers)
+        self.history = HistoryStore(history_tokens) if lookup is not None and is_path and history_tokens else None
+        history = None if self.history is None else HistoryDrafter(self.history, block_size=HISTORY_BLOCK)
         if lookup is not None:
-            block = max(block, lookup.block_size)
+            block = max(block, lookup.block_size, 0 if history is None else history.block_size)
         if (model.is_hybrid or model.is_recurrent) and (drafter is not None or lookup is not None):
             context_kwargs.setdefault("n_rs_seq", Speculator.target_rs_seq(min(n_draft or block, block)))
         self.ctx = Context(model, n_ctx=n_ctx, n_threads=n_threads, **context_kwargs)
         # what a batch scheduler's own context and drafter are made with (batch_scheduler)
         self._batch_settings = dict(n_threads=n_threads, n_gpu_layers=n_gpu_layers, p_min=p_min, n_draft=n_draft,
-                                    context_kwargs=dict(context_kwargs))
+                                    grammar_drafts=grammar_drafts, context_kwargs=dict(context_kwargs))
         self._schedulers: dict[int, tuple] = {}
         try:
             if is_path:
                 drafter = DSparkDrafter(drafter, self.ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers,
                                         p_min=p_min, header=self._drafter_header)
             if lookup is not None:
-                drafter = lookup if drafter is None else HybridDrafter(drafter, lookup=lookup)
+                drafter = lookup if drafter is None else HybridDrafter(drafter, lookup=lookup, history=history)
             self.drafter = drafter
-            self.speculator = (Speculator(self.ctx, drafter, n_draft=n_draft, n_draft_min=n_draft_min)
-                               if drafter is not None else None)
+            self.speculator = (Speculator(self.ctx, drafter, n_draft=n_draft, n_draft_min=n_draft_min,
+                                          grammar_drafts=grammar_drafts) if drafter is not None else None)
         except BaseException:
             self.ctx.close()
             raise
@@ -248,7 +263,8 @@ class LLM:
             dspark = dspark if isinstance(dspark, DSparkDrafter) else None
             lookup = self.drafter.lookup if isinstance(self.drafter, HybridDrafter) else self.drafter
             lookup = lookup if isinstance(lookup, PromptLookupDrafter) else None
-            block = max(0 if dspark is None else dspark.block_size, 0 if lookup is None else lookup.block_size)
+            block = max(0 if dspark is None else dspark.block_size, 0 if lookup is None else lookup.block_size,
+                        HISTORY_BLOCK if self.history is not None else 0)
             kwargs = dict(settings["context_kwargs"])
             if block and (self.model.is_hybrid or self.model.is_recurrent):
                 kwargs["n_rs_seq"] = Speculator.target_rs_seq(min(settings["n_draft"] or block, block))
@@ -259,7 +275,8 @@ class LLM:
                 drafter = None if dspark is None else DSparkDrafter(
                     dspark.model.path, ctx, n_threads=settings["n_threads"], n_gpu_layers=settings["n_gpu_layers"],
                     p_min=settings["p_min"], header=dspark.model.gguf_header)
-                scheduler = BatchScheduler(ctx, drafter, n_draft=settings["n_draft"], prompt_lookup=lookup)
+                scheduler = BatchScheduler(ctx, drafter, n_draft=settings["n_draft"], prompt_lookup=lookup,
+                                           history=self.history, grammar_drafts=settings["grammar_drafts"])
                 self._schedulers[parallel] = (scheduler, ctx, drafter)
             except BaseException:
                 ctx.close()

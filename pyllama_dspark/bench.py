@@ -16,8 +16,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .context import Context
-from .drafter import Drafter, DSparkDrafter, PromptLookupDrafter
+from .drafter import Drafter, DSparkDrafter, HistoryDrafter, PromptLookupDrafter
 from .generate import generate, prompt_tokens
+from .history import DEFAULT_HISTORY_TOKENS, HISTORY_BLOCK, HistoryStore
 from .hybrid import HybridDrafter
 from .model import Model
 from .sampling import Sampler, SamplingParams
@@ -123,7 +124,8 @@ class BenchSummary:
 
 def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], prompts: list[dict], *,
               n_predict: int, n_draft: int | None = None, n_draft_min: int = 0, p_min: float = 0.0,
-              prompt_lookup: bool | None = None, n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
+              prompt_lookup: bool | None = None, history_tokens: int = DEFAULT_HISTORY_TOKENS,
+              n_threads: int | None = None, n_ctx: int = 4096, n_batch: int = 512,
               n_gpu_layers: int = 0, consistent_numerics: bool = True,
               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
               seed: int | None = 0) -> Iterator[PromptResult]:
@@ -136,6 +138,8 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
         n_draft_min, p_min: as ``Speculator`` and ``DSparkDrafter`` take them.
         prompt_lookup: wrap the drafter in a ``HybridDrafter`` (prompt lookup first, then the drafter); None (the
             default configuration, as ``load``): for a drafter given as a path.
+        history_tokens: with prompt lookup, the hybrid's history of earlier replies (as ``load``; 0: none),
+            shared by the run's prompts in order.
         consistent_numerics: the mode of both contexts (``Context``). False measures a GPU's verify without it:
             faster there, and the output may then differ from plain decoding (``PromptResult.match``).
         temperature, top_k, top_p, seed: the sampling of both runs (one seed for both).
@@ -154,12 +158,14 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
         block = int(DSparkDrafter.peek_block_size(path))
         make_drafter = lambda ctx: DSparkDrafter(path, ctx, n_threads=n_threads,  # noqa: E731
                                                  n_gpu_layers=n_gpu_layers, p_min=p_min)
-        if prompt_lookup:  # the hybrid's block is the larger of the drafter's and prompt lookup's
-            block = max(block, PromptLookupDrafter().block_size)
+        if prompt_lookup:  # the hybrid's block is the largest of its sources'
+            block = max(block, PromptLookupDrafter().block_size, HISTORY_BLOCK if history_tokens else 0)
         k_rs = block if n_draft is None else min(n_draft, block)
     if prompt_lookup:
         make_model_drafter = make_drafter
-        make_drafter = lambda ctx: HybridDrafter(make_model_drafter(ctx))  # noqa: E731
+        store = HistoryStore(history_tokens) if history_tokens else None
+        make_drafter = lambda ctx: HybridDrafter(  # noqa: E731
+            make_model_drafter(ctx), history=None if store is None else HistoryDrafter(store, block_size=HISTORY_BLOCK))
     hybrid = model.is_hybrid or model.is_recurrent
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
                   n_rs_seq=Speculator.target_rs_seq(k_rs) if hybrid else 0, consistent_numerics=consistent_numerics)

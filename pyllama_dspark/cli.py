@@ -25,6 +25,7 @@ from typing import TextIO
 
 from . import __version__
 from .bundled import SMOLLM2_INSTALL
+from .history import DEFAULT_HISTORY_TOKENS
 
 DEMO_PROMPT = "Explain how a rainbow forms, in a few sentences."
 
@@ -112,6 +113,20 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                         "Default: on with a drafter (faster than the drafter alone on every task measured), off "
                         "without; "
                         "--no-prompt-lookup keeps the drafter alone")
+    p.add_argument("--history-tokens", type=int, default=DEFAULT_HISTORY_TOKENS, metavar="N",
+                   help="with prompt lookup beside a drafter, also draft from earlier replies (the continuation of "
+                        "the text's longest suffix found in them, most frequent first), kept up to N tokens, the "
+                        f"oldest dropped first (default {DEFAULT_HISTORY_TOKENS}; 0 = off)")
+    p.add_argument("--grammar-drafts", action=argparse.BooleanOptionalAction, default=True,
+                   help="under a grammar (--json-schema, response_format), draft the tokens it forces, continued "
+                        "by prompt lookup or history where it is free again; verified like any draft, so the output "
+                        "is plain constrained decoding's (default on; --no-grammar-drafts: the grammar only masks)")
+
+
+def _history_tokens(args) -> int:
+    if args.history_tokens < 0:
+        raise ValueError(f"--history-tokens must be >= 0, got {args.history_tokens}")
+    return args.history_tokens
 
 
 def _add_json_arg(p: argparse.ArgumentParser, what: str) -> None:
@@ -256,6 +271,10 @@ def _add_serve_parser(sub, parents: list) -> None:
                        help="largest request body read; a larger one gets 413 before it is parsed (default: what "
                             "a prompt filling the context could take, from -c and the vocabulary's longest token)")
     _add_draft_args(serve)
+    serve.add_argument("--history-per-request", action="store_true",
+                       help="keep no history shared between requests: each drafts from its own prompt and output "
+                            "only. A shared history is a timing side channel: a reply that repeats another client's "
+                            "reply comes back faster (its tokens are never shown to anyone else)")
 
 
 def _add_train_parser(sub, parents: list) -> None:
@@ -383,12 +402,15 @@ def _loaded(args, model_path: Path, drafter_path: Path | None):
 
     t0 = time.perf_counter()
     lookup = bool(drafter_path) if args.prompt_lookup is None else args.prompt_lookup
-    sources = ([f"the drafter {drafter_path}"] if drafter_path else []) + (["prompt lookup"] if lookup else [])
+    history = lookup and drafter_path is not None and _history_tokens(args) > 0
+    sources = ([f"the drafter {drafter_path}"] if drafter_path else []) + (["prompt lookup"] if lookup else []) + (
+        [f"a history of earlier replies ({args.history_tokens} tokens)"] if history else [])
     _say(f"loading {model_path}" + (f" with {' and '.join(sources)}" if sources else ""))
     with Model(model_path, **_model_options(args)) as model:
         consistent = _consistent_numerics(args, model)
         with load(model, drafter_path, n_ctx=args.n_ctx, n_batch=args.n_batch, n_threads=args.n_threads,
                   n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=lookup,
+                  history_tokens=_history_tokens(args), grammar_drafts=args.grammar_drafts,
                   n_gpu_layers=args.n_gpu_layers or 0, consistent_numerics=consistent) as llm:
             drafter, spec = llm.drafter, llm.speculator
             drafting = ("plain decoding" if drafter is None else
@@ -529,7 +551,7 @@ def _cmd_bench(args) -> int:
         _consistent_numerics(args, model)
         for result in run_bench(model, args.drafter, prompts, n_predict=args.max_tokens, n_draft=args.n_draft,
                                 n_draft_min=args.n_draft_min, p_min=args.p_min, prompt_lookup=args.prompt_lookup,
-                                n_threads=args.n_threads,
+                                history_tokens=_history_tokens(args), n_threads=args.n_threads,
                                 n_ctx=args.n_ctx, n_batch=args.n_batch, n_gpu_layers=args.n_gpu_layers or 0,
                                 consistent_numerics=args.consistent_numerics, temperature=args.temperature,
                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed):
@@ -620,8 +642,9 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
     """Speculative (streamed), then plain, on each task of the demo's mix: speeds, speedup, identical or not."""
     from .bench import first_mismatch
     from .context import Context
-    from .drafter import DSparkDrafter
+    from .drafter import DSparkDrafter, HistoryDrafter
     from .generate import generate
+    from .history import HistoryStore
     from .hybrid import HybridDrafter
     from .model import Model
     from .speculative import Speculator
@@ -641,8 +664,10 @@ def _demo_compare(args, target_path: Path, drafter_path: Path) -> int:
                                 n_gpu_layers=args.n_gpu_layers or 0)
         lookup = args.prompt_lookup is not False  # the default configuration: the drafter with prompt lookup
         if lookup:
-            drafter = HybridDrafter(drafter)
-        spec = Speculator(ctx, drafter, n_draft=args.n_draft, n_draft_min=args.n_draft_min)
+            history = _history_tokens(args)
+            drafter = HybridDrafter(drafter, history=HistoryDrafter(HistoryStore(history)) if history else None)
+        spec = Speculator(ctx, drafter, n_draft=args.n_draft, n_draft_min=args.n_draft_min,
+                          grammar_drafts=args.grammar_drafts)
         print(f"demo: {target_path.name} with the DSpark drafter {drafter_path.name}"
               f"{' and prompt lookup' if lookup else ''} "
               f"({'cost-aware draft length' if args.n_draft is None else f'{args.n_draft} drafts per round'}, "
@@ -770,6 +795,8 @@ def _cmd_serve(args) -> int:
                            max_body_bytes=args.max_body_bytes,
                            load_kwargs=dict(n_draft=args.n_draft, n_draft_min=args.n_draft_min, p_min=args.p_min,
                                             prompt_lookup=args.prompt_lookup,
+                                            history_tokens=0 if args.history_per_request else _history_tokens(args),
+                                            grammar_drafts=args.grammar_drafts,
                                             **({} if args.consistent_numerics else {"consistent_numerics": False})))
     what = f"{args.model}" + (f" with the drafter {args.drafter}" if args.drafter else "")
     serve(options, log_level="info" if args.verbose else "warning",

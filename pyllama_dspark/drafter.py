@@ -21,13 +21,14 @@ is the list to pass to ``Context.set_capture_layers`` on the target.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from .batch import Batch
 from .context import Context
 from .errors import ClosedHandleError, LlamaError
+from .history import HistoryStore
 from .model import Model
 
 
@@ -47,6 +48,8 @@ class Draft:
             only); None for a greedy draft (the loop then treats q as one-hot).
         source: which source drafted it, for a drafter with several ("lookup", "dspark": see
             ``HybridDrafter``); "" from a single-source drafter (the loop names its rounds by the drafter).
+        forced: for a grammar's draft ("grammar"), which tokens the grammar forced (the others continue it from
+            a free source where the grammar was free); None otherwise.
     """
 
     tokens: np.ndarray
@@ -54,6 +57,7 @@ class Draft:
     confidence: np.ndarray | None = None
     probs: np.ndarray | None = None
     source: str = ""
+    forced: np.ndarray | None = None  # [len(tokens)] bool: the tokens a grammar forced (source "grammar"), else None
 
 
 class Drafter(Protocol):
@@ -540,6 +544,51 @@ class PromptLookupDrafter:
                     proposal = np.append(proposal, np.int32(anchor))
                 return Draft(tokens=proposal)
         return Draft(tokens=np.zeros(0, np.int32))
+
+    def propose_after(self, anchor: int, pos: int, ahead: Sequence[int], n_max: int, sampler=None) -> Draft:
+        """``propose`` as if ``ahead`` (tokens not committed yet, e.g. what a grammar forces) followed the anchor:
+        up to n_max tokens after the last of them. The text observed so far is unchanged afterwards."""
+        ahead = [int(t) for t in ahead]
+        if not ahead:
+            return self.propose(anchor, pos, n_max, sampler=sampler)
+        observed = self._n
+        if observed != pos:  # the anchor sits at pos: every position before it is observed, none after
+            return Draft(tokens=np.zeros(0, np.int32))
+        self.observe(np.asarray([anchor] + ahead[:-1], np.int64), None, pos)
+        try:
+            return self.propose(ahead[-1], pos + len(ahead), n_max, sampler=sampler)
+        finally:
+            self._n = observed  # the positions written past it are overwritten by the next observe
+
+
+class HistoryDrafter(PromptLookupDrafter):
+    """The draft source over a ``HistoryStore``: it observes the request's committed tokens (as prompt lookup
+    does) and proposes the store's continuation of their longest suffix (``HistoryStore.propose``). It only
+    reads the store; the loop that ran the generation adds the finished reply (``remember``).
+
+    Args:
+        store: the shared store.
+        block_size: most tokens proposed per round.
+    """
+
+    source = "history"
+
+    def __init__(self, store: HistoryStore, *, block_size: int = 16, max_depth: int = 24):
+        if not isinstance(store, HistoryStore):
+            raise TypeError(f"store must be a HistoryStore, got {type(store).__name__}")
+        super().__init__(block_size=block_size)
+        self.store, self.max_depth = store, max_depth
+
+    def propose(self, anchor: int, pos: int, n_max: int | None = None, sampler=None) -> Draft:
+        n_max = self.block_size if n_max is None else min(int(n_max), self.block_size)
+        last = min(pos, self._n)
+        tail = self._text[max(0, last - self.max_depth + 1):last].tolist() + [int(anchor)]
+        tokens, _ = self.store.propose(tail, n_max, max_depth=self.max_depth)
+        return Draft(tokens=np.asarray(tokens, dtype=np.int32))
+
+    def remember(self, prompt: Sequence[int], reply: Sequence[int]) -> None:
+        """Add a finished generation's reply to the store, after its prompt's last tokens."""
+        self.store.add(reply, prompt)
 
 
 def _failer(drafter: Model):

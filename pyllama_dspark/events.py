@@ -180,14 +180,24 @@ class OutputRules:
         stats.n_draft_invalid += len(drafts) - n_valid
         return drafts[:n_valid], int(drafts[n_valid])
 
+    def forced_draft(self, n_max: int, continuation=None) -> tuple[list[int], list[bool]]:
+        """The grammar's forced tokens from here, continued where it is free by ``continuation``
+        (``GrammarState.forced_draft``); ([], []) without a grammar or where it forces nothing."""
+        if self.guide is None:
+            return [], []
+        return self.guide.forced_draft(n_max, continuation)
+
     def verify_rows(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
         """The verify rows of [anchor, drafts] as the grammar allows them (row i after ``drafts[:i]``)."""
         return rows if self.guide is None else self.guide.mask_rows(rows, drafts)
 
     def commit(self, rows: np.ndarray, committed: list[int]) -> list[TokenLogprob] | None:
-        """Advance the grammar by a round's committed tokens; their logprobs from the raw rows they came from."""
+        """Advance the grammar by a round's committed tokens, up to the first end of generation (an accepted
+        end-of-generation draft ends the output, the tokens after it are never handed out, and the grammar admits
+        nothing after it); their logprobs from the raw rows they came from."""
         if self.guide is not None:
-            self.guide.advance(committed)
+            end = next((i + 1 for i, t in enumerate(committed) if self._model.is_eog(int(t))), len(committed))
+            self.guide.advance(committed[:end])
         return None if self.n_logprobs is None else [self.logprob(rows[i], t) for i, t in enumerate(committed)]
 
     def ends(self, token: int, stop_at_eog: bool) -> bool:

@@ -40,7 +40,7 @@ from .draft_length import CostTable, DraftLengthChooser, SourceChooser
 from .drafter import Draft, Drafter
 from .errors import MemoryOpError
 from .generate import GenerationResult, OutputRules, output_options, prompt_tokens, sampling_params, stream_events
-from .hybrid import source_name
+from .hybrid import GRAMMAR, free_length, grammar_draft, source_name
 from .logprobs import TokenLogprob
 from .sampling import Sampler, probabilities
 from .stats import SpecStats
@@ -103,6 +103,9 @@ class Speculator:
             verify/draft costs measured on this machine); 0 is a plain decode step. With several sources, the
             source that promises the most tokens per second drafts (``SourceChooser``: one chooser per source).
         n_draft_min: drafts shorter than this are dropped (the round becomes a plain decode).
+        grammar_drafts: under a grammar, draft the tokens it forces (source "grammar", free: no drafter call),
+            continued where the grammar is free again by the drafter's free sources (prompt lookup, history).
+            They are verified like any draft, so the output stays plain constrained decoding's.
 
     Attributes:
         source_chooser: the cost-aware choice of source and draft length (None with a fixed n_draft); a
@@ -113,8 +116,10 @@ class Speculator:
         ValueError: a negative n_draft, or a hybrid target without enough rollback snapshots.
     """
 
-    def __init__(self, target: Context, drafter: Drafter, *, n_draft: int | None = None, n_draft_min: int = 0):
+    def __init__(self, target: Context, drafter: Drafter, *, n_draft: int | None = None, n_draft_min: int = 0,
+                 grammar_drafts: bool = True):
         checks.instance("target", target, Context, "create one with Context(model)")
+        checks.instance("grammar_drafts", grammar_drafts, bool)
         protocol = ("block_size", "capture_layers", "reset", "observe", "propose")
         missing = [name for name in protocol if not hasattr(drafter, name)]
         if missing:
@@ -127,7 +132,14 @@ class Speculator:
         self._multi_source = hasattr(drafter, "offers") and hasattr(drafter, "sources")
         self._source = "" if self._multi_source else source_name(drafter)
         sizes = dict(drafter.sources) if self._multi_source else {self._source: block}
+        # under a grammar, the tokens it forces are a free source of their own (listed first: the cheapest)
+        self.grammar_drafts = grammar_drafts
+        if grammar_drafts:
+            sizes = {GRAMMAR: block, **sizes}
         self.source_chooser = SourceChooser(sizes) if n_draft is None else None
+        # the drafter's free sources, which continue a grammar's draft where the grammar is free again
+        self._free = list(getattr(drafter, "free", {}).values()) or (
+            [drafter] if hasattr(drafter, "propose_after") else [])
         # with a fixed n_draft, round costs are measured for plain_tok_s_estimate alone
         self._fixed_costs = CostTable(block) if n_draft is not None else None
         n_draft = block if n_draft is None else int(n_draft)
@@ -216,6 +228,7 @@ class Speculator:
         stats.t_prefill = time.perf_counter() - t0
         pos, n_left = len(tokens), max_tokens
         in_memory = [int(t) for t in tokens]  # what the target's memory holds, for the next reuse_prefix
+        generated: list[int] = []  # what was handed out, for the drafter's history of replies
         clean = False
         t0 = time.perf_counter()
         try:
@@ -231,6 +244,7 @@ class Speculator:
                     step.tokens, step.from_draft = step.tokens[:cut + 1], step.from_draft[:cut + 1]
                 if step.logprobs is not None:
                     del step.logprobs[len(step.tokens):]
+                generated += step.tokens
                 try:
                     yield step
                 except GeneratorExit:  # the consumer stopped between rounds: the memory is consistent
@@ -249,6 +263,9 @@ class Speculator:
             stats.t_decode = time.perf_counter() - t0
             if clean:
                 self._remember(tokens, in_memory, stats)
+                remember = getattr(self.drafter, "remember", None)
+                if remember is not None:
+                    remember(tokens, generated)
 
     def _remember(self, tokens: np.ndarray, in_memory: list[int], stats: SpecStats) -> None:
         """Record what the memory holds for the next ``reuse_prefix``, first dropping accepted drafts past the last
@@ -292,7 +309,7 @@ class Speculator:
                rules: OutputRules) -> Step:
         ctx, drafter = self.target, self.drafter
         t0 = time.perf_counter()
-        source, k_planned, draft, offers = self._draft(anchor, pos, n_max, sampler)
+        source, k_planned, draft, offers = self._draft(anchor, pos, n_max, sampler, rules)
         drafts = np.asarray(draft.tokens[:k_planned], dtype=np.int32)
         n_drafted = len(drafts)  # what the draft time paid for, before any cut
         t1 = time.perf_counter()
@@ -316,7 +333,7 @@ class Speculator:
         t2 = time.perf_counter()
         committed = [int(t) for t in drafts[:n]] + [token]
         logprobs = rules.commit(rows, committed)
-        stats.observe_round(k, n, source=source if n_drafted else "", t_draft=t1 - t0)
+        stats.observe_round(k, n, source=source if n_drafted else "", t_draft=t1 - t0, forced=draft.forced)
         stats.t_verify += t2 - t1
         if self.source_chooser is not None:
             self.source_chooser.observe_round(source, k, n, t1 - t0, t2 - t1, k_drafted=n_drafted)
@@ -329,14 +346,23 @@ class Speculator:
         return Step(tokens=committed, n_draft=k, n_accept=n, from_draft=[True] * n + [False],
                     t_draft=t1 - t0, t_verify=t2 - t1, source=source if k else "", logprobs=logprobs)
 
-    def _draft(self, anchor: int, pos: int, n_max: int, sampler: Sampler) -> tuple[str, int, Draft, dict]:
+    def _forced(self, anchor: int, pos: int, n_max: int, rules: OutputRules) -> Draft | None:
+        """The grammar's draft (``OutputRules.forced_draft``: what it forces after the anchor, continued by the
+        free sources where it is free again), or None (no grammar, grammar drafts off, nothing forced)."""
+        return grammar_draft(rules, self._free, anchor, pos, n_max) if self.grammar_drafts else None
+
+    def _draft(self, anchor: int, pos: int, n_max: int, sampler: Sampler,
+               rules: OutputRules) -> tuple[str, int, Draft, dict]:
         """This round's proposal: (its source, the most of its tokens to verify, the Draft, the free proposals
         the drafter offered). A fixed n_draft takes the drafter's own pick of source; the cost-aware loop lets
         the source chooser pick among the drafter's offers and plan the length."""
         nothing = Draft(np.zeros(0, np.int32))
+        forced = self._forced(anchor, pos, n_max, rules)
         if self.source_chooser is None:
             if n_max <= 0:
                 return "", 0, nothing, {}
+            if forced is not None:
+                return GRAMMAR, n_max, forced, {}
             draft = self.drafter.propose(anchor, pos, n_max, sampler=sampler)
             return draft.source or self._source, n_max, draft, {}
         if n_max <= 0:  # nothing may be drafted (end of the context or of max_tokens): nobody is asked
@@ -345,9 +371,11 @@ class Speculator:
             offers = self.drafter.offers(anchor, pos, n_max, sampler=sampler)
         else:
             offers = {self._source: None}
+        if forced is not None:
+            offers = {GRAMMAR: forced, **offers}
         available = {name: n_max if offer is None else len(offer.tokens) for name, offer in offers.items()}
         free = [name for name, offer in offers.items() if offer is not None]
-        source, k = self.source_chooser.choose(available, free=free)
+        source, k = free_length(offers, *self.source_chooser.choose(available, free=free))
         if k == 0:
             return source, 0, nothing, offers
         draft = offers[source]

@@ -8,9 +8,10 @@ Definitions (DSPARK.md "Metrics"):
 - tau (mean acceptance length) = accepted / rounds + 1 (the +1 is the target's own token).
 - per-position acceptance (1-based i): position i is reached iff i <= a + 1 (and i <= drafted that
   round), accepted iff i <= a.
-- by source: the same counts for each draft source (``Step.source``: "dspark", "lookup"...; a
-  HybridDrafter has two), which sum to the totals; a source's draft time includes rounds whose drafts
-  were all cut (they count as plain steps).
+- by source: the same counts for each draft source (``Step.source``: "dspark", "lookup", "history",
+  "grammar"), which sum to the totals; a source's draft time includes rounds whose drafts were all cut
+  (they count as plain steps). A "grammar" round's block starts with the tokens the grammar forces and may
+  go on with a free source's tokens; ``n_forced`` / ``n_forced_accepted`` count the forced tokens alone.
 """
 
 from __future__ import annotations
@@ -81,16 +82,24 @@ class SpecStats(DraftCounts):
     stop_reason: str = ""
     n_reused: int = 0  # prompt tokens whose memory a previous generation left (reuse_prefix)
     n_draft_invalid: int = 0  # drafted tokens cut because the grammar refused them or a token before them
+    n_forced: int = 0  # of the drafted tokens, those a grammar forced (in rounds of source "grammar")
+    n_forced_accepted: int = 0  # of those, accepted
     by_source: dict[str, DraftCounts] = field(default_factory=dict)  # in the order the sources first drafted
 
-    def observe_round(self, n_drafted: int, n_accepted: int, *, source: str = "", t_draft: float = 0.0) -> None:
+    def observe_round(self, n_drafted: int, n_accepted: int, *, source: str = "", t_draft: float = 0.0,
+                      forced=None) -> None:
         """Record one verify decode that checked n_drafted draft tokens and accepted n_accepted.
 
         ``source`` names what drafted this round ("" for nothing: its counts then go to the totals only);
-        ``t_draft`` (seconds spent drafting) is added to the totals and to the source's.
+        ``t_draft`` (seconds spent drafting) is added to the totals and to the source's; ``forced`` (a grammar's
+        draft: one flag per drafted token, true where the grammar forced it) adds to ``n_forced`` and
+        ``n_forced_accepted``.
         """
         if not 0 <= n_accepted <= n_drafted:
             raise ValueError(f"accepted {n_accepted} of {n_drafted} drafted")
+        if forced is not None:
+            self.n_forced += int(sum(bool(f) for f in forced[:n_drafted]))
+            self.n_forced_accepted += int(sum(bool(f) for f in forced[:n_accepted]))
         self.t_draft += t_draft
         share = self.by_source.setdefault(source, DraftCounts()) if source else None
         if share is not None:
@@ -123,6 +132,7 @@ class SpecStats(DraftCounts):
             ("accept", f"{100 * self.accept_rate:.3f}%"), ("tau", f"{self.tau:.3f}"),
             ("per_position", " ".join(f"{r:.2f}" for r in self.per_position_rate)),
             *((("draft_invalid", self.n_draft_invalid),) if self.n_draft_invalid else ()),
+            *((("forced", f"{self.n_forced_accepted} of {self.n_forced} accepted"),) if self.n_forced else ()),
             *((f"by {name}", share.summary()) for name, share in self.by_source.items()),
             ("t_prefill", f"{self.t_prefill:.3f} s"), ("t_decode", f"{self.t_decode:.3f} s"),
             ("t_draft", f"{self.t_draft:.3f} s"), ("t_verify", f"{self.t_verify:.3f} s"),
@@ -138,7 +148,7 @@ class SpecStats(DraftCounts):
             "rounds": self.rounds,
             "plain_steps": self.plain_steps,
             "drafted": self.drafted, "accepted": self.accepted, "accept_rate": self.accept_rate, "tau": self.tau,
-            "draft_invalid": self.n_draft_invalid,
+            "draft_invalid": self.n_draft_invalid, "forced": self.n_forced, "forced_accepted": self.n_forced_accepted,
             "accepted_per_pos": list(self.accepted_per_pos), "reached_per_pos": list(self.reached_per_pos),
             "t_prefill": self.t_prefill, "t_decode": self.t_decode, "decode_tok_s": self.decode_tok_s,
             "by_source": {name: share.as_dict() for name, share in self.by_source.items()},

@@ -213,6 +213,7 @@ class GrammarState:
             raise GrammarError(f"structured output needs a model with a vocabulary; {model.path.name} has none")
         llg = _llguidance()
         self.grammar, self.n_vocab = grammar, model.n_vocab
+        self._is_eog = model.is_eog
         self._matcher = llg.LLMatcher(vocabulary(model), grammar.source, log_level=0)
         if self._matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind.replace('_', ' ')}: {self._matcher.get_error()}")
@@ -228,9 +229,18 @@ class GrammarState:
         return out
 
     def valid_prefix(self, tokens) -> int:
-        """How many of ``tokens`` the grammar accepts in a row from here (nothing is consumed)."""
+        """How many of ``tokens`` the grammar accepts in a row from here (nothing is consumed). An end of
+        generation where the grammar is complete counts (and nothing after it): llguidance's ``validate_tokens``
+        refuses it once the grammar cannot grow, while its mask there allows it and ``consume_token`` takes it."""
         tokens = [int(t) for t in tokens]
-        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
+        if not tokens:
+            return 0
+        n = int(self._matcher.validate_tokens(tokens))
+        if n < len(tokens) and self._is_eog(tokens[n]):
+            ahead = self._matcher.deep_copy()
+            if all(ahead.consume_token(t) for t in tokens[:n]) and ahead.is_accepting():
+                return n + 1
+        return n
 
     def mask_rows(self, rows: np.ndarray, drafts) -> np.ndarray:
         """Verify rows masked for a draft (all of whose tokens the grammar accepts): row i with the state after
@@ -242,7 +252,40 @@ class GrammarState:
             out[i][~_allowed(ahead, self.n_vocab)] = -np.inf
             if i < len(drafts) and not ahead.consume_token(drafts[i]):
                 raise GrammarError(f"draft token {drafts[i]} is not allowed by the grammar: {ahead.get_error()}")
+            if i < len(drafts) and self._is_eog(drafts[i]):
+                break  # the output ends there: the rows after an end of generation are never handed out
         return out
+
+    def forced_draft(self, n_max: int, continuation=None, *, max_spans: int = 4) -> tuple[list[int], list[bool]]:
+        """A draft that costs no drafter call: the tokens the grammar forces from here (llguidance's fast-forward
+        tokens), then, where it is free again, ``continuation(tokens so far)``'s proposal cut before its first
+        token the grammar refuses, then what the grammar forces after those, and so on (at most ``max_spans``
+        forced spans), up to n_max tokens. Returns (tokens, forced: one flag per token). Empty when the grammar
+        forces nothing here. Nothing is consumed: this state does not move.
+
+        The forced tokens are llguidance's spelling of the forced bytes; the target may spell them otherwise
+        (``{"`` as one token or two), so they are drafts, verified like any other."""
+        if n_max <= 0 or self.finished:
+            return [], []
+        ahead = self._matcher.deep_copy()
+        tokens: list[int] = []
+        forced: list[bool] = []
+        for _ in range(max_spans):
+            span = [int(t) for t in ahead.compute_ff_tokens()][: n_max - len(tokens)]
+            if not tokens and not span:
+                return [], []  # nothing forced at the anchor: the other sources draft as usual
+            span = span[: ahead.try_consume_tokens(span)] if span else span
+            tokens += span
+            forced += [True] * len(span)
+            if len(tokens) >= n_max or continuation is None or ahead.is_stopped():
+                break
+            more = [int(t) for t in continuation(tokens)][: n_max - len(tokens)]
+            more = more[: ahead.try_consume_tokens(more)] if more else more
+            if not more:
+                break
+            tokens += more
+            forced += [False] * len(more)
+        return tokens, forced
 
     def advance(self, tokens) -> None:
         """Commit tokens (each allowed where it stands)."""

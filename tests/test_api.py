@@ -40,7 +40,10 @@ def plain(target):
 @pytest.mark.parametrize("with_drafter", [False, True])
 def test_load_generate_stream_and_chat_give_plain_greedy_decoding(target, drafter_path, plain, with_drafter):
     text_run, chat_run = plain
-    with pyllama_dspark.load(target, drafter=drafter_path if with_drafter else None, n_ctx=512) as llm:
+    # no history: the stream repeats the generate's prompt, and the store would draft the whole first reply
+    # (tests/test_free_drafts.py covers that); here the stream's drafts must be the generate's sources
+    with pyllama_dspark.load(target, drafter=drafter_path if with_drafter else None, n_ctx=512,
+                             history_tokens=0) as llm:
         assert (llm.speculator is not None) == with_drafter
         result = llm.generate(PROMPT, max_tokens=24, stop_at_eog=False)
         assert isinstance(result, GenerationResult)
@@ -234,8 +237,10 @@ def test_every_field_of_every_completion_dict_on_every_finish_path(target, eog_t
     import time
 
     path = eog_targets[chat] if finish == "eog" else target
-    # a fixed draft length: the cost-aware chooser learns across generations, so its rounds would differ per call
-    with pyllama_dspark.load(path, drafter=drafter_path if with_drafter else None, n_ctx=512, n_draft=3) as llm:
+    # a fixed draft length: the cost-aware chooser learns across generations, so its rounds would differ per call;
+    # no history, whose store grows with every call (a repeated prompt drafts from the replies before it)
+    with pyllama_dspark.load(path, drafter=drafter_path if with_drafter else None, n_ctx=512, n_draft=3,
+                             history_tokens=0) as llm:
         prompt = llm.model.apply_chat_template(MESSAGES) if chat else PROMPT
         knobs = dict(max_tokens=24)
         if finish == "stop":

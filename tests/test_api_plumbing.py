@@ -121,10 +121,24 @@ class FakeLookup(Closes):
 
 
 class FakeHybrid(Closes, MayFail):
-    def __init__(self, drafter, *, lookup):
+    def __init__(self, drafter, *, lookup, history=None):
         super().__init__()
-        self.model_drafter, self.lookup = drafter, lookup
-        LOG.append(("HybridDrafter", drafter, lookup))
+        self.model_drafter, self.lookup, self.history = drafter, lookup, history
+        LOG.append(("HybridDrafter", drafter, lookup, history))
+
+
+class FakeHistoryStore:
+    def __init__(self, budget):
+        self.budget = budget
+        LOG.append(("HistoryStore", budget))
+
+
+class FakeHistoryDrafter:
+    block_size = 16
+
+    def __init__(self, store, *, block_size):
+        self.store = store
+        LOG.append(("HistoryDrafter", store, block_size))
 
 
 RESULT = GenerationResult("plain text", [1, 2], "max_tokens")  # what a non-streamed generation returns
@@ -201,6 +215,7 @@ def spy(name, function):
 FAKES = {
     "Model": FakeModel, "read_header": fake_read_header, "Context": FakeContext, "DSparkDrafter": FakeDSpark,
     "PromptLookupDrafter": FakeLookup, "HybridDrafter": FakeHybrid, "Speculator": FakeSpeculator,
+    "HistoryStore": FakeHistoryStore, "HistoryDrafter": FakeHistoryDrafter,
     "generate": fake_generate, "BatchScheduler": FakeScheduler, "Grammar": FakeGrammar,
     "prompt_tokens": lambda ctx, prompt, *, add_special: ("tokens of", prompt, ctx, add_special),
     "sampling_params": lambda temperature, top_k, top_p, seed: ("params", temperature, top_k, top_p, seed),
@@ -241,6 +256,9 @@ def make_llm(drafter=None, *, model=None, owns_model=True, **settings) -> api.LL
     ({"n_threads": 2.0}, TypeError, "n_threads must be an int, got float 2.0"),
     ({"prompt_lookup": "yes"}, TypeError, "prompt_lookup must be a bool, got str 'yes'"),
     ({"prompt_lookup": 1}, TypeError, "prompt_lookup must be a bool, got int 1"),
+    ({"history_tokens": -1}, ValueError, "history_tokens must be >= 0, got -1"),
+    ({"history_tokens": "64k"}, TypeError, "history_tokens must be an int, got str '64k'"),
+    ({"grammar_drafts": 1}, TypeError, "grammar_drafts must be a bool, got int 1"),
 ])
 def test_load_refuses_bad_settings_before_opening_anything(kwargs, exc_type, message):
     refused(exc_type, message, api.load, "target.gguf", **kwargs)
@@ -289,20 +307,22 @@ def test_load_passes_its_defaults_on(llm_calls):
     ((args, kwargs),) = llm_calls
     assert type(args[0]) is FakeModel and args[0].path == "target.gguf" and args[1:] == (None,)
     assert kwargs == {"owns_model": True, "n_ctx": 4096, "n_threads": None, "n_draft": None, "n_draft_min": 0,
-                      "p_min": 0.0, "prompt_lookup": None, "n_gpu_layers": 0}
+                      "p_min": 0.0, "prompt_lookup": None, "n_gpu_layers": 0, "history_tokens": 65536,
+                      "grammar_drafts": True}
 
 
 def test_load_passes_every_setting_on(llm_calls):
     target, drafter = Path("models/target.gguf"), Path("models/drafter.gguf")
     api.load(target, drafter, n_ctx=np.int64(1024), n_threads=3, n_draft=4, n_draft_min=2, p_min=0.25,
              prompt_lookup=False, n_gpu_layers=7, rpc_servers=["h:1"], tensor_split=[3.0, 1.0], n_batch=32,
-             kv_type="q8_0")
+             kv_type="q8_0", history_tokens=np.int64(100), grammar_drafts=False)
     assert logged("Model") == [(target, {"n_gpu_layers": 7, "rpc_servers": ["h:1"], "tensor_split": [3.0, 1.0]})]
     ((args, kwargs),) = llm_calls
     assert args[1] is drafter
     assert kwargs == {"owns_model": True, "n_ctx": 1024, "n_threads": 3, "n_draft": 4, "n_draft_min": 2,
-                      "p_min": 0.25, "prompt_lookup": False, "n_gpu_layers": 7, "n_batch": 32, "kv_type": "q8_0"}
-    assert type(kwargs["n_ctx"]) is int
+                      "p_min": 0.25, "prompt_lookup": False, "n_gpu_layers": 7, "n_batch": 32, "kv_type": "q8_0",
+                      "history_tokens": 100, "grammar_drafts": False}
+    assert type(kwargs["n_ctx"]) is int and type(kwargs["history_tokens"]) is int
     api.load("target.gguf", prompt_lookup=True)
     assert llm_calls[-1][1]["prompt_lookup"] is True
 
@@ -353,7 +373,17 @@ def test_a_drafter_path_makes_a_dspark_drafter_with_prompt_lookup_by_default(as_
     assert logged("PromptLookupDrafter") == [()]
     assert type(llm.drafter) is FakeHybrid and type(llm.drafter.model_drafter) is FakeDSpark
     assert type(llm.drafter.lookup) is FakeLookup
-    assert logged("Speculator") == [(llm.ctx, llm.drafter, {"n_draft": 4, "n_draft_min": 0})]
+    # the history of earlier replies: one store per LLM, read by the hybrid's third source
+    assert logged("HistoryStore") == [(65536,)] and llm.history is llm.drafter.history.store
+    assert logged("HistoryDrafter") == [(llm.history, 16)]
+    assert logged("Speculator") == [(llm.ctx, llm.drafter, {"n_draft": 4, "n_draft_min": 0, "grammar_drafts": True})]
+
+
+def test_no_history_budget_and_no_grammar_drafts_are_passed_on():
+    llm = api.LLM(FakeModel(), "drafter.gguf", owns_model=True, n_ctx=512, n_threads=None, n_draft=None,
+                  n_gpu_layers=0, history_tokens=0, grammar_drafts=False)
+    assert llm.history is None and llm.drafter.history is None and logged("HistoryStore") == []
+    assert logged("Speculator")[0][2] == {"n_draft": None, "n_draft_min": 0, "grammar_drafts": False}
     assert type(llm.speculator) is FakeSpeculator
 
 
@@ -362,7 +392,9 @@ def test_a_drafter_path_without_prompt_lookup_drafts_with_dspark_alone():
                   n_gpu_layers=0, n_draft_min=2, p_min=0.5, prompt_lookup=False)
     assert type(llm.drafter) is FakeDSpark and llm.drafter.settings["p_min"] == 0.5
     assert logged("PromptLookupDrafter") == [] and logged("HybridDrafter") == []
-    assert logged("Speculator") == [(llm.ctx, llm.drafter, {"n_draft": None, "n_draft_min": 2})]
+    assert logged("Speculator") == [(llm.ctx, llm.drafter, {"n_draft": None, "n_draft_min": 2,
+                                                            "grammar_drafts": True})]
+    assert llm.history is None  # the history rides with prompt lookup
 
 
 def test_a_drafter_object_is_used_as_given_unless_prompt_lookup_is_asked_for():
@@ -388,7 +420,8 @@ NO_BLOCK = object()  # a Drafter object without a block_size
 
 @pytest.mark.parametrize("memory, drafter, settings, header, n_rs_seq", [
     ("hybrid", "drafter.gguf", {"prompt_lookup": False}, None, 6),
-    ("hybrid", "drafter.gguf", {}, None, 8),  # the prompt lookup's larger block
+    ("hybrid", "drafter.gguf", {}, None, 16),  # the history's larger block
+    ("hybrid", "drafter.gguf", {"history_tokens": 0}, None, 8),  # prompt lookup's
     ("recurrent", "drafter.gguf", {"prompt_lookup": False, "n_draft": 2}, None, 2),
     ("recurrent", "drafter.gguf", {"prompt_lookup": False, "n_draft": 9}, None, 6),
     ("hybrid", "drafter.gguf", {"prompt_lookup": False}, {}, 0),  # no block size in the header
@@ -647,8 +680,8 @@ def test_a_batch_scheduler_is_made_once_per_parallel_and_closed_with_the_llm():
     assert three is not two and llm.batch_scheduler(2) is two and llm.batch_scheduler(3) is three
     assert [settings for _, settings in logged("Context")] == [
         {"n_ctx": 96 * n, "n_seq_max": n, "n_threads": 3, "n_batch": 32, "kv_type": "q8_0"} for n in (2, 3)]
-    assert logged("BatchScheduler") == [(two.ctx, None, {"n_draft": 4, "prompt_lookup": None}),
-                                        (three.ctx, None, {"n_draft": 4, "prompt_lookup": None})]
+    batching = {"n_draft": 4, "prompt_lookup": None, "history": None, "grammar_drafts": True}
+    assert logged("BatchScheduler") == [(two.ctx, None, batching), (three.ctx, None, batching)]
     assert closed() == []
     llm.close()
     assert closed() == [two, two.ctx, three, three.ctx, llm.ctx, llm.model]
@@ -669,7 +702,11 @@ def test_a_dspark_llm_batches_with_its_own_dspark_drafter(kind):
     assert type(scheduler.drafter) is FakeDSpark and scheduler.drafter is not own
     lookup = llm.drafter.lookup if kind == "hybrid" else None  # its settings are each sequence's lookup's
     assert kind == "dspark" or type(lookup) is FakeLookup
-    assert logged("BatchScheduler") == [(scheduler.ctx, scheduler.drafter, {"n_draft": 2, "prompt_lookup": lookup})]
+    # the LLM's one history store, shared with the batches (none with DSpark alone)
+    assert (llm.history is None) == (kind == "dspark")
+    assert logged("BatchScheduler") == [(scheduler.ctx, scheduler.drafter, {"n_draft": 2, "prompt_lookup": lookup,
+                                                                            "history": llm.history,
+                                                                            "grammar_drafts": True})]
     assert "n_rs_seq" not in scheduler.ctx.settings
     llm.close()
     assert closed() == [scheduler, scheduler.drafter, scheduler.ctx, llm.drafter, llm.ctx, llm.model]
@@ -690,7 +727,9 @@ def test_a_hybrid_memory_target_batches_with_snapshots_for_the_larger_block():
     model = FakeModel()
     model.is_hybrid = True
     scheduler = make_llm("drafter.gguf", model=model).batch_scheduler(2)
-    assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 8, int)  # prompt lookup's block, the larger
+    assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 16, int)  # the history's block, the largest
+    scheduler = make_llm("drafter.gguf", model=model, history_tokens=0).batch_scheduler(2)
+    assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 8, int)  # without it, prompt lookup's
     scheduler = make_llm("drafter.gguf", model=model, n_draft=6).batch_scheduler(2)
     assert scheduler.ctx.settings["n_rs_seq"] == ("rs seqs for", 6, int)  # a fixed n_draft below it
     model = FakeModel()

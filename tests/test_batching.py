@@ -420,6 +420,26 @@ def test_common_cap_drops_a_lone_draft_that_would_cost_the_batch_a_pass():
     assert best_common_cap([(0, 5, 0, plain)], coef, 64) == 0 and best_common_cap([], coef, 64) == 0
 
 
+def test_common_cap_keeps_a_forced_run_the_grammar_sources_running_figure_would_cut():
+    """Issue 48: the grammar source's running acceptance mixes forced tokens with their free continuations; planned
+    from it, the cap dropped most forced runs. Slots the grammar forced count as accepted, the others keep the
+    chooser's figure."""
+    from pyllama_dspark.batching import best_common_cap, forced_accepted
+    from pyllama_dspark.draft_length import expected_tokens_by_k
+
+    coef = np.array([0.006, 0.0005, 0.0])
+    plain = expected_tokens_by_k(np.zeros(0))
+    running = np.array([0.3] * 5 + [0.05])
+    forced = np.array([True] * 5 + [False])
+    others = [(1, 100, 0, plain), (2, 100, 0, plain), (3, 100, 0, plain)]
+    assert best_common_cap([(0, 100, 6, expected_tokens_by_k(running))] + others, coef, 64) == 0
+    accept = forced_accepted(running, forced)
+    assert accept.tolist() == [1.0] * 5 + [0.05]
+    assert best_common_cap([(0, 100, 6, expected_tokens_by_k(accept))] + others, coef, 64) == 5  # not the weak 6th
+    assert forced_accepted(running, None) is running
+    assert forced_accepted(running[:3], forced).tolist() == [1.0] * 3  # a draft cut shorter than its flags
+
+
 def test_ubatch_passes_follow_llama_cpps_equal_split_over_consecutive_sequences():
     """Measured on SmolLM2 (2 threads, n_seq_max 4, 200 cells): one row on sequences 0 and 2 took 15.4 ms, on 0 and
     1 9.5 ms (one row alone 7.3); rows 5/1/1/1 took 27.0 ms, one row on each of 4 sequences 14.9 and 4 rows on one

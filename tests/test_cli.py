@@ -265,9 +265,9 @@ def test_python_warnings_are_one_line(pair):
     target, drafter = pair
     proc = cli("generate", "-m", str(target), "-md", str(drafter), "-p", "Hello", "-n", "4", "--draft-max", "99")
     assert proc.returncode == 0, proc.stderr
-    # the default hybrid's block is prompt lookup's 8 (the DSpark drafter's is 4)
-    assert "pyllama-dspark: warning: n_draft=99 exceeds the drafter's block size 8; clamped to 8\n" in proc.stderr
-    assert "UserWarning" not in proc.stderr and "8 drafts per round" in proc.stderr
+    # the default hybrid's block is the history's 16 (prompt lookup's is 8, the DSpark drafter's 4)
+    assert "pyllama-dspark: warning: n_draft=99 exceeds the drafter's block size 16; clamped to 16\n" in proc.stderr
+    assert "UserWarning" not in proc.stderr and "16 drafts per round" in proc.stderr
 
 
 def test_chat_keeps_the_conversation_and_its_memory(pair, model_dir):

@@ -353,10 +353,14 @@ def test_load_with_prompt_lookup_wraps_the_drafter_and_stays_exact(make_pair):
 
 
 def test_qwen35_target_gets_snapshots_for_the_larger_block_through_load(make_pair):
-    """A 2-slot drafter and 8-token lookups: the hybrid target's context must roll back 8 drafts."""
+    """A 2-slot drafter, 8-token lookups and 16-token history drafts: the hybrid target's context must roll back
+    16 drafts (8 without history)."""
     pair = make_pair(SPECS["qwen35"], block_size=2)
-    with pyllama_dspark.load(pair.target, drafter=pair.drafter, n_ctx=512, prompt_lookup=True) as llm:
+    with pyllama_dspark.load(pair.target, drafter=pair.drafter, n_ctx=512, prompt_lookup=True,
+                             history_tokens=0) as llm:
         assert llm.drafter.block_size == 8 and llm.ctx.n_rs_seq >= 8
+    with pyllama_dspark.load(pair.target, drafter=pair.drafter, n_ctx=512, prompt_lookup=True) as llm:
+        assert llm.drafter.block_size == 16 and llm.ctx.n_rs_seq >= 16
         expected = plain_greedy(llm.model, PROMPTS[0], 32)
         assert llm.generate(PROMPTS[0], max_tokens=32, stop_at_eog=False).tokens == expected
 
@@ -383,7 +387,7 @@ def test_generate_with_prompt_lookup_prints_the_plain_text_and_the_sources(make_
                  "--prompt-lookup", "--stats", "--json", str(tmp_path / "out.json"))
     assert plain.returncode == 0 and hybrid.returncode == 0, hybrid.stderr
     assert hybrid.stdout == plain.stdout
-    assert "prompt lookup" in hybrid.stderr and "sources lookup, dspark" in hybrid.stderr
+    assert "prompt lookup" in hybrid.stderr and "sources lookup, history, dspark" in hybrid.stderr
     data = json.loads((tmp_path / "out.json").read_text())
     assert set(data["speculative"]["by_source"]) <= {"lookup", "dspark"}
     for name in data["speculative"]["by_source"]:

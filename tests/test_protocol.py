@@ -13,6 +13,7 @@ import pytest
 
 from pyllama_dspark.server.protocol import (APIError, CompletionRequest, ResponseShape, bad_request, parse_completion,
                                             parse_json, sse, timings)
+from pyllama_dspark.stats import DraftCounts
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -325,6 +326,12 @@ class Stats:
     n_generated: int = 8
     drafted: int = 12
     accepted: int = 7
+    by_source: dict = None
+
+    def __post_init__(self):
+        if self.by_source is None:
+            self.by_source = {"grammar": DraftCounts(rounds=2, drafted=9, accepted=6),
+                              "lookup": DraftCounts(rounds=1, drafted=3, accepted=1)}
 
     def as_dict(self):
         return {"drafted": self.drafted, "accepted": self.accepted}
@@ -342,16 +349,18 @@ class Result:
 
 TIMINGS = {"cache_n": 5, "prompt_n": 5, "prompt_ms": 250.0, "prompt_per_token_ms": 50.0, "prompt_per_second": 20.0,
            "predicted_n": 8, "predicted_ms": 500.0, "predicted_per_token_ms": 62.5, "predicted_per_second": 16.0,
-           "draft_n": 12, "draft_n_accepted": 7}
+           "draft_n": 12, "draft_n_accepted": 7,
+           "draft_by_source": {"grammar": {"draft_n": 9, "draft_n_accepted": 6},
+                               "lookup": {"draft_n": 3, "draft_n_accepted": 1}}}
 
 
 def test_timings_against_literal_values():
     assert timings(Stats()) == TIMINGS
     nothing = timings(Stats(n_prompt=6, n_reused=6, t_prefill=0.0, t_decode=0.0, n_generated=0, drafted=0,
-                            accepted=0))
+                            accepted=0, by_source={}))
     assert nothing == {"cache_n": 6, "prompt_n": 0, "prompt_ms": 0.0, "prompt_per_token_ms": 0.0, "prompt_per_second": 0.0,
                        "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": 0.0,
-                       "predicted_per_second": 0.0, "draft_n": 0, "draft_n_accepted": 0}
+                       "predicted_per_second": 0.0, "draft_n": 0, "draft_n_accepted": 0, "draft_by_source": {}}
     # tokens without time (a clock too coarse) and time without tokens give 0, not a division error
     odd = timings(Stats(t_prefill=0.0, t_decode=0.0, n_reused=10, n_prompt=10))
     assert (odd["prompt_per_token_ms"], odd["prompt_per_second"], odd["predicted_per_second"]) == (0.0, 0.0, 0.0)

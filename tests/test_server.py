@@ -175,6 +175,11 @@ def test_models_health_and_metrics(server):
         per_pos = [v for k, v in after.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos")]
         accepted = next(v for k, v in after.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_total"))
         assert per_pos and sum(per_pos) == accepted
+        # by source: the rounds of every source sum to the vLLM total, and the reply's own sources are all there
+        by_source = {k: v for k, v in after.items() if k.startswith("pyllama_dspark:draft_rounds_total")}
+        assert sum(by_source.values()) == after[drafts[0]]
+        for source in reply.model_extra["speculative"]["by_source"]:
+            assert any(f'source="{source}"' in k for k in by_source), (source, by_source)
 
 
 @pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),

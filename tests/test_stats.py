@@ -78,7 +78,7 @@ def test_as_dict_has_every_figure():
     assert made_up().as_dict() == {
         "n_prompt": 7, "n_reused": 3, "n_generated": 40, "rounds": 3, "plain_steps": 1,
         "drafted": 9, "accepted": 5, "accept_rate": 5 / 9, "tau": 5 / 3 + 1, "draft_invalid": 2,
-        "accepted_per_pos": [2, 2, 1, 0], "reached_per_pos": [3, 2, 2, 0],
+        "forced": 0, "forced_accepted": 0, "accepted_per_pos": [2, 2, 1, 0], "reached_per_pos": [3, 2, 2, 0],
         "t_prefill": 0.5, "t_decode": 2.0, "decode_tok_s": 20.0,
         "by_source": {
             "dspark": {"rounds": 2, "drafted": 6, "accepted": 2, "accept_rate": 1 / 3, "tau": 2.0,
@@ -87,6 +87,18 @@ def test_as_dict_has_every_figure():
                        "accepted_per_pos": [1, 1, 1], "reached_per_pos": [1, 1, 1], "t_draft": 0.125},
         },
     }
+
+
+def test_forced_tokens_are_counted_apart_within_their_rounds():
+    """A grammar round's block: forced tokens, a free source's continuation, a forced key; 2 accepted."""
+    s = SpecStats()
+    s.observe_round(4, 2, source="grammar", forced=[True, True, False, True])
+    s.observe_round(2, 2, source="grammar", forced=[True, True, True])  # a draft cut to 2 of its 3 tokens
+    assert (s.n_forced, s.n_forced_accepted) == (5, 4)
+    assert s.by_source["grammar"].drafted == 6 and s.by_source["grammar"].accepted == 4
+    assert "forced        = 4 of 5 accepted" in s.format()
+    assert s.as_dict()["forced"] == 5 and s.as_dict()["forced_accepted"] == 4
+    assert "forced" not in made_up().format()  # shown only when a grammar forced drafts
 
 
 def test_as_dict_copies_the_per_position_lists():

@@ -79,6 +79,7 @@ class Counters:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    by_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [rounds, drafted, accepted]
 
     def add(self, stats) -> None:
         """Add a finished (or cancelled) generation's ``SpecStats``."""
@@ -94,6 +95,11 @@ class Counters:
             if i == len(self.accepted_per_pos):
                 self.accepted_per_pos.append(0)
             self.accepted_per_pos[i] += n
+        for name, share in stats.by_source.items():
+            counts = self.by_source.setdefault(name, [0, 0, 0])
+            counts[0] += share.rounds
+            counts[1] += share.drafted
+            counts[2] += share.accepted
 
 
 class Engine:

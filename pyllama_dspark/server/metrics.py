@@ -1,7 +1,7 @@
 """``/metrics`` in Prometheus' text format, under the names llama-server and vLLM use, so their dashboards work:
 llama-server's ``llamacpp:*`` token totals and request gauges, vLLM's ``vllm:*`` request gauges and speculative
 decoding counters (drafts, draft tokens, accepted tokens, accepted tokens per position), and our own
-``pyllama_dspark:*`` request outcomes."""
+``pyllama_dspark:*`` request outcomes and draft counts by source (lookup, history, grammar, dspark)."""
 
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ def prometheus_text(counters, model_name: str, n_waiting: int, n_slots: int) -> 
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
     for name, kind, help_text, value in vllm:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{{{label}}} {_number(value)}"]
+    for name, index, help_text in (("pyllama_dspark:draft_rounds_total", 0, "Verify rounds drafted, by source."),
+                                   ("pyllama_dspark:draft_tokens_total", 1, "Draft tokens verified, by source."),
+                                   ("pyllama_dspark:accepted_tokens_total", 2, "Draft tokens accepted, by source.")):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
+        lines += [f'{name}{{{label},source="{_escape(source)}"}} {counts[index]}'
+                  for source, counts in sorted(c.by_source.items())]
     name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
     lines += [f"# HELP {name} Accepted tokens per draft position.", f"# TYPE {name} counter"]
     lines += [f'{name}{{{label},position="{i}"}} {n}' for i, n in enumerate(c.accepted_per_pos)]

@@ -345,6 +345,9 @@ def timings(stats) -> dict:
         "predicted_per_token_ms": predicted_ms / stats.n_generated if stats.n_generated else 0.0,
         "predicted_per_second": 1000 * stats.n_generated / predicted_ms if predicted_ms else 0.0,
         "draft_n": stats.drafted, "draft_n_accepted": stats.accepted,
+        # ours: the same two by draft source ("lookup", "history", "grammar", "dspark")
+        "draft_by_source": {name: {"draft_n": share.drafted, "draft_n_accepted": share.accepted}
+                            for name, share in stats.by_source.items()},
     }
 
 
