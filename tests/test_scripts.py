@@ -227,8 +227,9 @@ def test_bench_rpc_small(tmp_path, make_pair):
 
 
 def test_bench_tasks_small(tmp_path, make_pair):
-    """The task-category benchmark on a tiny chat-templated pair and the committed prompt set (two categories,
-    two prompts each, a few tokens): every configuration's output equals plain decoding's."""
+    """The task-category benchmark on a tiny chat-templated pair and the committed prompt sets (three categories,
+    structured extraction under its schemas among them, two prompts each, a few tokens): every configuration's
+    output equals plain (constrained) decoding's, one at a time and batched."""
     from pyllama_dspark.testing import TinySpec
 
     pair = make_pair(TinySpec(arch="llama", n_layer=2, vocab="llama-spm", chat_template="chatml"))
@@ -239,17 +240,22 @@ def test_bench_tasks_small(tmp_path, make_pair):
     except ImportError:
         plotting = []
     result = run_script("bench_tasks.py", "--model", str(pair.target), "--drafter", str(pair.drafter),
-                        "--categories", "qa", "code_edit", "--per-category", "2", "--n-predict", "6",
+                        "--categories", "qa", "code_edit", "structured", "--per-category", "2", "--n-predict", "12",
                         "--n-threads", "2", "--batched", "2", *plotting, tmp_path=tmp_path)
-    assert set(result["categories"]) == {"qa", "code_edit"}
+    categories = {"qa", "code_edit", "structured"}
+    assert set(result["categories"]) == categories
     for category in result["categories"].values():
-        assert set(category) == {"dspark", "dspark-k4", "lookup", "hybrid"}
+        assert set(category) == {"lookup", "history", "grammar", "dspark", "default"}
         assert all(f["token_match"] == f["prompts"] == 2 for f in category.values())
-    assert set(result["control"]) == {"qa", "code_edit", "all"}  # a second plain context, against the first
+    assert set(result["control"]) == categories | {"all"}  # a second plain context, against the first
     assert all(f["token_match"] == f["prompts"] for f in result["control"].values())
     assert all(len(rows["plain-again"]) == 2 for rows in result["per_prompt"].values())
-    assert set(result["batched"]["2"]) == {"qa", "code_edit"}
+    # under a schema the grammar drafts its forced tokens (the key after "{" at least)
+    assert all(row["forced"] > 0 for row in result["per_prompt"]["structured"]["grammar"])
+    assert set(result["batched"]["2"]) == categories
     assert all(f["token_match"] == 2 for f in result["batched"]["2"].values())
+    costs = result["proposal_us"]
+    assert costs["history"]["store_tokens"] <= costs["history"]["budget"] and costs["history"]["median"] > 0
     assert not plotting or plot.stat().st_size > 0
 
 
