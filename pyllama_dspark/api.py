@@ -125,7 +125,7 @@ class LLM:
         lookup = PromptLookupDrafter() if prompt_lookup else None
         # earlier replies, a free source beside prompt lookup in the hybrid (shared with the batch schedulers)
         self.history = HistoryStore(history_tokens) if lookup is not None and is_path and history_tokens else None
-        history = None if self.history is None else HistoryDrafter(self.history, block_size=HISTORY_BLOCK)
+        history = None if self.history is None else HistoryDrafter(self.history)
         if lookup is not None:
             block = max(block, lookup.block_size, 0 if history is None else history.block_size)
         if (model.is_hybrid or model.is_recurrent) and (drafter is not None or lookup is not None):

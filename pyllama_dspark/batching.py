@@ -361,7 +361,7 @@ class BatchScheduler:
         template = self.prompt_lookup
         lookup = None if template is None else PromptLookupDrafter(
             ngram_max=template.ngram_max, ngram_min=template.ngram_min, block_size=template.block_size)
-        history = None if self.history is None else HistoryDrafter(self.history, block_size=HISTORY_BLOCK)
+        history = None if self.history is None else HistoryDrafter(self.history)
         seq = BatchSequence(request, TextStream(self.ctx.model, request.stop), chooser, lookup, history)
         self._waiting.append(seq)
         return seq

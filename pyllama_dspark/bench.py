@@ -165,7 +165,7 @@ def run_bench(model: Model, drafter: str | Path | Callable[[Context], Drafter], 
         make_model_drafter = make_drafter
         store = HistoryStore(history_tokens) if history_tokens else None
         make_drafter = lambda ctx: HybridDrafter(  # noqa: E731
-            make_model_drafter(ctx), history=None if store is None else HistoryDrafter(store, block_size=HISTORY_BLOCK))
+            make_model_drafter(ctx), history=None if store is None else HistoryDrafter(store))
     hybrid = model.is_hybrid or model.is_recurrent
     ctx = Context(model, n_ctx=n_ctx, n_batch=n_batch, n_threads=n_threads,
                   n_rs_seq=Speculator.target_rs_seq(k_rs) if hybrid else 0, consistent_numerics=consistent_numerics)

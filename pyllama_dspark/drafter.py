@@ -28,7 +28,7 @@ import numpy as np
 from .batch import Batch
 from .context import Context
 from .errors import ClosedHandleError, LlamaError
-from .history import HistoryStore
+from .history import HISTORY_BLOCK, HistoryStore
 from .model import Model
 
 
@@ -568,12 +568,12 @@ class HistoryDrafter(PromptLookupDrafter):
 
     Args:
         store: the shared store.
-        block_size: most tokens proposed per round.
+        block_size: most tokens proposed per round (``HISTORY_BLOCK``).
     """
 
     source = "history"
 
-    def __init__(self, store: HistoryStore, *, block_size: int = 16, max_depth: int = 24):
+    def __init__(self, store: HistoryStore, *, block_size: int = HISTORY_BLOCK, max_depth: int = 24):
         if not isinstance(store, HistoryStore):
             raise TypeError(f"store must be a HistoryStore, got {type(store).__name__}")
         super().__init__(block_size=block_size)

@@ -124,7 +124,7 @@ class Runner:
         if name == "lookup":
             self.drafter = PromptLookupDrafter()
         elif name == "history":
-            self.drafter = HistoryDrafter(HistoryStore(DEFAULT_HISTORY_TOKENS), block_size=HISTORY_BLOCK)
+            self.drafter = HistoryDrafter(HistoryStore(DEFAULT_HISTORY_TOKENS))
         elif name == "grammar":
             self.drafter = NoDrafts()
         else:
@@ -133,7 +133,7 @@ class Runner:
             if name == "hybrid":
                 self.drafter = HybridDrafter(dspark)
             elif name == "default":
-                history = HistoryDrafter(HistoryStore(DEFAULT_HISTORY_TOKENS), block_size=HISTORY_BLOCK)
+                history = HistoryDrafter(HistoryStore(DEFAULT_HISTORY_TOKENS))
                 self.drafter = HybridDrafter(dspark, history=history)
             elif name.startswith("dspark-k"):
                 self.n_draft = int(name[len("dspark-k"):])

@@ -19,6 +19,7 @@ from pyllama_dspark import api, tools
 from pyllama_dspark.cancel import CancelToken
 from pyllama_dspark.errors import DecodeAbortedError
 from pyllama_dspark.events import GenerationResult, TokenEvent
+from pyllama_dspark.history import HISTORY_BLOCK
 from pyllama_dspark.stats import SpecStats
 
 LOG: list[tuple] = []  # what the fakes were asked to do, in order: (what, *arguments)
@@ -134,9 +135,9 @@ class FakeHistoryStore:
 
 
 class FakeHistoryDrafter:
-    block_size = 16
+    block_size = HISTORY_BLOCK
 
-    def __init__(self, store, *, block_size):
+    def __init__(self, store, *, block_size=HISTORY_BLOCK):  # the real one's default, which load relies on
         self.store = store
         LOG.append(("HistoryDrafter", store, block_size))
 
