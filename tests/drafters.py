@@ -11,6 +11,19 @@ import numpy as np
 from pyllama_dspark.drafter import Draft
 
 
+class StatelessDrafter:
+    """The Drafter protocol's bookkeeping for a drafter that reads nothing: no capture layers, nothing to observe
+    or forget. Subclasses set ``block_size`` and write ``propose``."""
+
+    capture_layers: list[int] = []
+
+    def reset(self) -> None:
+        pass
+
+    def observe(self, tokens, rows, pos0: int) -> None:
+        pass
+
+
 class ScriptedDrafter:
     """Proposes expected[pos+1 ...] with the first ``right`` tokens correct and the rest wrong.
 

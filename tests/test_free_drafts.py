@@ -15,6 +15,7 @@ import pytest
 
 import pyllama_dspark
 from conftest import ARCHS
+from drafters import StatelessDrafter
 from pyllama_dspark import Context, Model, generate
 from pyllama_dspark.drafter import Draft, HistoryDrafter
 from pyllama_dspark.generate import OutputRules
@@ -195,20 +196,13 @@ def test_forced_drafts_keep_the_constrained_distribution_at_temperature_one(make
     assert statistic < chi2_critical(dof)
 
 
-class EndDrafter:
+class EndDrafter(StatelessDrafter):
     """Proposes the end of generation every round."""
 
-    capture_layers: list[int] = []
     block_size = 1
 
     def __init__(self, eos: int):
         self.eos = eos
-
-    def reset(self):
-        pass
-
-    def observe(self, tokens, rows, pos0):
-        pass
 
     def propose(self, anchor, pos, n_max, sampler=None):
         return Draft(tokens=np.array([self.eos], np.int32))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from drafters import StatelessDrafter
 from pyllama_dspark import Batch, Context, Model
 from pyllama_dspark.convert.converter import convert
 from pyllama_dspark.drafter import DSparkDrafter
@@ -58,20 +59,13 @@ def test_stochastic_acceptance_preserves_p():
     assert chi_square(drawn, p[0]) > chi2_critical(vocab - 1)
 
 
-class FixedQDrafter:
+class FixedQDrafter(StatelessDrafter):
     """Draws each draft token from a fixed distribution q (unrelated to the target)."""
 
-    capture_layers: list[int] = []
     block_size = 2
 
     def __init__(self, q: np.ndarray):
         self.q = q
-
-    def reset(self):
-        pass
-
-    def observe(self, tokens, rows, pos0):
-        pass
 
     def propose(self, anchor, pos, n_max, sampler=None):
         tokens = np.array([sampler.draw(self.q) for _ in range(n_max)], dtype=np.int32)
