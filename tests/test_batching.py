@@ -4,7 +4,6 @@ plain greedy output, token for token; at T > 0 each sequence's tokens follow the
 from __future__ import annotations
 
 import collections
-import os
 
 import numpy as np
 import pytest
@@ -249,9 +248,7 @@ def test_scheduler_refuses_what_it_cannot_keep_exact(make_pair):
         narrow.close()
 
 
-@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
-                    reason="3,000 sequences through the native paths of the greedy tests: the main CI job runs it; "
-                           "under AddressSanitizer it would take minutes for no new coverage")
+@pytest.mark.statistical  # 3,000 sequences through the native paths of the greedy tests
 def test_each_sequence_follows_the_target_at_temperature(model_dir, tmp_path):
     """3,000 sequences of one prompt, 8 at a time, each with its own seed, drafted 2 tokens per round by a DSpark
     drafter: generated tokens 2 and 3 follow the target's exact joint distribution."""

@@ -162,6 +162,7 @@ def test_a_fixed_draft_length_drafts_the_forced_tokens_first(make_pair):
     assert result.stats.by_source[GRAMMAR].rounds > 0 and result.stats.n_forced > 0
 
 
+@pytest.mark.statistical
 def test_forced_drafts_keep_the_constrained_distribution_at_temperature_one(make_model):
     """A regex: a free letter, then "ordinary " forced, then a free digit. The grammar's draft is the forced
     tokens (llguidance's masks allow only its spelling of forced bytes: they are always accepted) continued by

@@ -186,6 +186,7 @@ def test_batched_decoding_equals_each_solo_run(gemma, text_ids):
     assert [r.tokens for r in results] == solo
 
 
+@pytest.mark.statistical
 def test_sampling_through_the_speculative_loop_follows_the_target(gemma):
     """Temperature 1, top-k 4: the second generated token (judged by rejection sampling when prompt lookup drafted
     it, drawn from p otherwise) against its exact marginal sum_t1 p(t1) p(t2 | t1)."""

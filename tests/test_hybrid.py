@@ -293,6 +293,7 @@ def test_statistics_by_source_have_the_literal_values_of_a_known_sequence_of_rou
 
 # --- temperature > 0 -----------------------------------------------------------------------------------------
 
+@pytest.mark.statistical
 def test_hybrid_sampling_follows_the_targets_joint_distribution(model_dir):
     """Tokens 2 and 3 (0-based) of 4 against the target's exact joint, with the hybrid drafting 2 tokens a round:
     prompt lookup's deterministic drafts (q one-hot) where it matches, a model drafter's sampled ones (its own q)

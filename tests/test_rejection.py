@@ -72,6 +72,7 @@ class FixedQDrafter(StatelessDrafter):
         return Draft(tokens=tokens, probs=np.tile(self.q, (n_max, 1)))
 
 
+@pytest.mark.statistical
 def test_speculative_sampling_follows_the_target(make_model):
     """Marginal of the 2nd generated token (the first one that goes through rejection sampling)
     against the target's exact marginal sum_t1 p(t1) p(t2 | t1)."""
@@ -217,6 +218,7 @@ def sample_pairs(ctx, drafter, sampling, n_runs, seed):
     return counts, first_rounds
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("sampling", [dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.5)],
                          ids=["T0.7-top_k4", "T1.3-top_p0.5"])
 def test_tokens_2_and_3_follow_the_targets_joint_distribution(model_dir, sampling):
@@ -242,6 +244,7 @@ def _retempered(table, ctx, sampling):
     return {prefix: reference_probs(_logits_after(ctx, E2E_PROMPT + list(prefix)), **other) for prefix in table}
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("draft_vocab_size", [None, 20], ids=["full-vocabulary", "reduced-vocabulary"])
 def test_tokens_2_and_3_follow_the_target_with_the_dspark_drafters_probabilities(model_dir, tmp_path,
                                                                                  draft_vocab_size):

@@ -231,6 +231,7 @@ def cancelled(server) -> float:
     return metrics(server)["pyllama_dspark:requests_cancelled_total"]
 
 
+@pytest.mark.slow  # 6.5 s here, 36 s under AddressSanitizer
 def test_a_full_queue_gets_503_with_retry_after_and_the_server_recovers(slow_server):
     url = f"{slow_server.url}/v1/completions"
     body = {"prompt": long_prompt(), "max_tokens": 1, "temperature": 0}

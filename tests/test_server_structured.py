@@ -135,6 +135,7 @@ def test_tool_choice_auto_parses_a_call_the_model_writes_and_leaves_text_alone(m
             assert streamed_text == text and message["content"] == text
 
 
+@pytest.mark.statistical
 def test_constrained_sampling_through_the_batched_scheduler_follows_the_masked_target(make_pair):
     """Four slots with the random-weight drafter, temperature 1, the grammar [0-9][0-9]: the second digit, drawn
     where the grammar cut the drafter's proposal (rejection sampling's residual there), over many requests with

@@ -205,6 +205,7 @@ def test_token_logprob_ties_and_bounds():
 
 
 # --- sampling: the constrained distribution holds ---------------------------------------------------------------
+@pytest.mark.statistical
 def test_constrained_sampling_follows_the_masked_target(make_model):
     """The two digits the grammar [0-9][0-9] lets through: their joint distribution through the speculative loop
     against the exact one, enumerated from the target's softmax restricted to the tokens that spell a digit there
