@@ -68,8 +68,7 @@ def verify_rows(ctx: Context, prefix: list[int], following: list[int], *, filled
 
 
 @pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
-# ratios 3 and 4: up to 6 s each here and 35-60 s under AddressSanitizer (qwen35), so slow; ratio 1 keeps every
-# arch and cache type in the ASan job
+# ratios 3 and 4: up to 6 s each here and 35-60 s under AddressSanitizer (qwen35), so slow
 @pytest.mark.parametrize("ratio", [1, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_verify_rows_are_bit_identical_to_single_tokens(gqa_model, arch, ratio, kv_type):
