@@ -637,7 +637,7 @@ class BatchScheduler:
             draft, drafts_k = chosen[seq]
             k, start = len(drafts_k), starts[seq]
             rows_k = logits[start:start + k + 1]
-            n, token = Speculator._accept(drafts_k, draft, seq.rules.verify_rows(rows_k, drafts_k),
+            n, token = Speculator._accept(drafts_k, draft, rows_k, seq.rules,
                                           seq.request.sampler, refused[seq])
             committed = [int(t) for t in drafts_k[:n]] + [token]
             logprobs = seq.rules.commit(rows_k, committed)

@@ -161,7 +161,12 @@ class OutputRules:
 
     def choose(self, row: np.ndarray, sampler: Sampler) -> tuple[int, TokenLogprob | None]:
         """The next token from one logits row (masked by the grammar), its logprob; the grammar advances."""
-        token = sampler(self.guide.mask(row) if self.guide is not None else row)
+        if self.guide is None:
+            token = sampler(row)
+        elif sampler.params.greedy:
+            token = self.guide.greedy(row)  # the masked argmax, without masking the whole row where it can
+        else:
+            token = sampler(self.guide.mask(row))
         if self.guide is not None:
             self.guide.advance([token])
         return token, self.logprob(row, token)
@@ -190,6 +195,11 @@ class OutputRules:
     def verify_rows(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
         """The verify rows of [anchor, drafts] as the grammar allows them (row i after ``drafts[:i]``)."""
         return rows if self.guide is None else self.guide.mask_rows(rows, drafts)
+
+    def verify_greedy(self, rows: np.ndarray, drafts: np.ndarray) -> np.ndarray:
+        """Each verify row's greedy token as the grammar allows it (``np.argmax(verify_rows(rows, drafts), axis=1)``,
+        without masking the rows whose raw argmax the grammar allows)."""
+        return np.argmax(rows, axis=1) if self.guide is None else self.guide.greedy_rows(rows, drafts)
 
     def commit(self, rows: np.ndarray, committed: list[int]) -> list[TokenLogprob] | None:
         """Advance the grammar by a round's committed tokens, up to the first end of generation (an accepted

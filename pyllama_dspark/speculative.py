@@ -324,7 +324,7 @@ class Speculator:
         self._batch.add_tokens(np.concatenate([[anchor], drafts]), pos, logits="all")
         ctx.decode(self._batch)
         rows = ctx.all_logits()
-        n, token = self._accept(drafts, draft, rules.verify_rows(rows, drafts), sampler, refused)
+        n, token = self._accept(drafts, draft, rows, rules, sampler, refused)
         # commit: drop the rejected cells, then give the drafter the committed rows' features
         if n < k:
             ctx.seq_rm(0, pos + n + 1, -1)
@@ -385,14 +385,16 @@ class Speculator:
         return source, k, draft, offers
 
     @staticmethod
-    def _accept(drafts: np.ndarray, draft: Draft, rows: np.ndarray, sampler: Sampler,
+    def _accept(drafts: np.ndarray, draft: Draft, rows: np.ndarray, rules: OutputRules, sampler: Sampler,
                 refused: int | None = None) -> tuple[int, int]:
-        """(accepted drafts, the target's token). ``refused``: a draft token cut after ``drafts`` because the
-        grammar refuses it (p = 0 there). Rejection sampling still judges it, so that the token at its row comes
-        from the residual norm(max(0, p - q)) as it would had the draft been verified: drawing from p there
-        instead would skew the output towards what the drafter proposes."""
+        """(accepted drafts, the target's token) from the raw verify rows, as the grammar of ``rules`` allows
+        them. ``refused``: a draft token cut after ``drafts`` because the grammar refuses it (p = 0 there).
+        Rejection sampling still judges it, so that the token at its row comes from the residual
+        norm(max(0, p - q)) as it would had the draft been verified: drawing from p there instead would skew the
+        output towards what the drafter proposes."""
         if sampler.params.greedy:
-            return accept_greedy(drafts, np.argmax(rows, axis=1))
+            return accept_greedy(drafts, rules.verify_greedy(rows, drafts))
+        rows = rules.verify_rows(rows, drafts)
         p = np.stack([probabilities(row, sampler.params) for row in rows])
         if refused is not None:
             drafts = np.append(drafts, refused).astype(drafts.dtype)

@@ -9,7 +9,10 @@ grammar against the model's vocabulary and gives, for the text so far, the set o
 Speculative decoding keeps the output exactly that of plain constrained decoding (``Speculator``):
 
 - a draft is cut before its first token the grammar refuses (``SpecStats.n_draft_invalid`` counts them);
-- verify row i is masked with the grammar's state after the anchor and the drafts before it;
+- verify row i is masked with the grammar's state after the anchor and the drafts before it (all rows' masks in one
+  llguidance call, ``GrammarState.row_bitmasks``); at temperature 0 a row's token is its raw argmax wherever the
+  grammar allows it, and only the other rows are masked whole (``greedy_rows``: the same token, since the argmax is
+  the first index of the maximum);
 - the grammar advances only by committed tokens (drafts are consumed to compute the rows' masks, then rolled back).
 
 End of generation (the model's end-of-generation tokens) is allowed exactly where the grammar accepts; once the
@@ -19,6 +22,7 @@ grammar is complete, only end of generation is.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -34,6 +38,8 @@ JSON_OPTIONS = {"whitespace_flexible": False}
 
 _vocabularies: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _vocabularies_lock = threading.Lock()
+_executor_lock = threading.Lock()
+_executors: list = []  # [(pid, llguidance's LLExecutor)]: made on first use and shared (its own thread pool)
 
 
 def _llguidance():
@@ -217,6 +223,7 @@ class GrammarState:
         self._matcher = llg.LLMatcher(vocabulary(model), grammar.source, log_level=0)
         if self._matcher.is_error():
             raise GrammarError(f"invalid {grammar.kind.replace('_', ' ')}: {self._matcher.get_error()}")
+        self._n_words = (self.n_vocab + 31) // 32  # a mask: one bit per token, in 32-bit words
 
     def allowed(self) -> np.ndarray:
         """[n_vocab] bool: the tokens that may come next."""
@@ -242,19 +249,68 @@ class GrammarState:
                 return n + 1
         return n
 
+    def row_bitmasks(self, drafts) -> np.ndarray:
+        """[len(drafts) + 1, words] uint32, one bit per token (token t: bit t % 32 of word t // 32): the tokens
+        allowed here and after each of ``drafts`` (all accepted by the grammar), in one llguidance call that
+        consumes the drafts on the state and rolls them back. A row llguidance never reached (after an end of
+        generation) is all zero.
+
+        Raises:
+            GrammarError: the grammar allows no token here (a matcher in its error state).
+        """
+        drafts = [int(t) for t in drafts]
+        masks = np.zeros((len(drafts) + 1, self._n_words), dtype=np.uint32)
+        if drafts:
+            _executor().unsafe_compute_mask_ptr_with_draft_token([(self._matcher, 0, drafts)], masks.ctypes.data,
+                                                                 self._n_words * 4, len(masks))
+        else:  # (llguidance's call wants at least one draft token)
+            words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)[: self._n_words * 4]
+            masks.view(np.uint8)[0, : len(words)] = words
+        if not masks[0].any():
+            raise GrammarError(f"the grammar allows no token here: {self._matcher.get_error() or 'no continuation'}")
+        return masks
+
+    def _masked_row_count(self, n_rows: int, drafts) -> int:
+        """How many of the verify rows of [anchor, drafts] the grammar masks: up to the row after the first end of
+        generation among the drafts (the output ends there: the rows after it are never handed out)."""
+        end = next((i for i, token in enumerate(drafts) if self._is_eog(int(token))), None)
+        return n_rows if end is None else min(n_rows, end + 1)
+
     def mask_rows(self, rows: np.ndarray, drafts) -> np.ndarray:
         """Verify rows masked for a draft (all of whose tokens the grammar accepts): row i with the state after
-        ``drafts[:i]``. The drafts are consumed by a copy of the state; this one does not move."""
+        ``drafts[:i]`` (refused tokens at -inf). This state does not move."""
         out = np.array(rows, dtype=np.float32, copy=True)
-        drafts = [int(t) for t in drafts]
-        ahead = self._matcher.deep_copy()
-        for i in range(len(out)):
-            out[i][~_allowed(ahead, self.n_vocab)] = -np.inf
-            if i < len(drafts) and not ahead.consume_token(drafts[i]):
-                raise GrammarError(f"draft token {drafts[i]} is not allowed by the grammar: {ahead.get_error()}")
-            if i < len(drafts) and self._is_eog(drafts[i]):
-                break  # the output ends there: the rows after an end of generation are never handed out
+        n_masked = self._masked_row_count(len(out), drafts)
+        masks = self.row_bitmasks(drafts[:n_masked])
+        for i in range(n_masked):
+            if masks[i].any():
+                out[i][~_unpacked(masks[i], self.n_vocab)] = -np.inf
         return out
+
+    def greedy_rows(self, rows: np.ndarray, drafts) -> np.ndarray:
+        """Each verify row's greedy token under the grammar (as ``np.argmax(mask_rows(rows, drafts), axis=1)``):
+        the row's raw argmax where the grammar allows it, which is most rows, else the argmax of the masked row."""
+        choices = np.argmax(rows, axis=1)
+        n_masked = self._masked_row_count(len(rows), drafts)
+        masks = self.row_bitmasks(drafts[:n_masked])
+        picked = choices[:n_masked]
+        refused = (masks[np.arange(n_masked), picked >> 5] >> (picked & 31).astype(np.uint32)) & 1 == 0
+        for i in np.flatnonzero(refused):
+            if masks[i].any():
+                choices[i] = int(np.argmax(np.where(_unpacked(masks[i], self.n_vocab), rows[i], -np.inf)))
+        return choices
+
+    def greedy(self, row: np.ndarray) -> int:
+        """The greedy token of one logits row under the grammar here (as ``np.argmax(mask(row))``), its raw
+        argmax when the grammar allows it."""
+        token = int(np.argmax(row))
+        words = self._matcher.compute_bitmask()
+        if (words[token >> 3] >> (token & 7)) & 1:
+            return token
+        allowed = _unpacked(np.frombuffer(words, dtype=np.uint8), self.n_vocab)
+        if not allowed.any():
+            raise GrammarError(f"the grammar allows no token here: {self._matcher.get_error() or 'no continuation'}")
+        return int(np.argmax(np.where(allowed, row, -np.inf)))
 
     def forced_draft(self, n_max: int, continuation=None, *, max_spans: int = 4) -> tuple[list[int], list[bool]]:
         """A draft that costs no drafter call: the tokens the grammar forces from here (llguidance's fast-forward
@@ -307,9 +363,22 @@ class GrammarState:
         return bool(self._matcher.is_stopped())
 
 
+def _executor():
+    """The LLExecutor shared by every grammar of this process (made on first use, and again in a forked child,
+    which has none of its parent's threads)."""
+    with _executor_lock:
+        if not _executors or _executors[0][0] != os.getpid():
+            _executors[:] = [(os.getpid(), _llguidance().LLExecutor())]
+        return _executors[0][1]
+
+
+def _unpacked(words: np.ndarray, n_vocab: int) -> np.ndarray:
+    """[n_vocab] bool from a bitmask (one bit per token, little-endian, in bytes or 32-bit words)."""
+    return np.unpackbits(np.ascontiguousarray(words).view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
+
+
 def _allowed(matcher, n_vocab: int) -> np.ndarray:
-    words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-    allowed = np.unpackbits(words, bitorder="little")[:n_vocab].astype(bool)
+    allowed = _unpacked(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), n_vocab)
     if not allowed.any():  # a matcher in its error state allows nothing: never sample from an empty row
         raise GrammarError(f"the grammar allows no token here: {matcher.get_error() or 'no continuation'}")
     return allowed

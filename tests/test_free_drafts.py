@@ -89,6 +89,36 @@ def test_the_forced_draft_goes_on_where_the_grammar_is_free_and_is_forced_again(
         assert state.valid_prefix(tokens) == len(tokens) and not state.accepting
 
 
+def test_verify_masks_in_one_call_are_the_grammar_s_row_by_row_and_the_greedy_shortcut_its_argmax(make_model):
+    """``row_bitmasks`` (every verify row's mask in one llguidance call) against the state advanced token by token;
+    ``greedy_rows`` / ``greedy`` (a row's raw argmax where the grammar allows it) against the argmax of the masked
+    rows, on rows whose top token is allowed in some rows and refused in others, and on all-equal rows (ties go to
+    the first allowed index)."""
+    with Model(make_model(arch="llama", vocab="llama-spm", n_layer=2)) as model:
+        state = GrammarState(Grammar.json_schema(RECORD), model)
+        drafts, _ = state.forced_draft(12)
+        assert len(drafts) >= 4
+        masks = state.row_bitmasks(drafts)
+        assert masks.shape[0] == len(drafts) + 1
+        ahead = GrammarState(state.grammar, model)
+        rows = np.random.default_rng(0).standard_normal((len(drafts) + 1, model.n_vocab)).astype(np.float32)
+        for i in range(len(drafts) + 1):
+            allowed = ahead.allowed()
+            unpacked = np.unpackbits(masks[i].view(np.uint8), bitorder="little")[:model.n_vocab].astype(bool)
+            np.testing.assert_array_equal(unpacked, allowed, err_msg=f"row {i}")
+            top = np.flatnonzero(allowed)[-1] if i % 2 == 0 else np.flatnonzero(~allowed)[0]
+            rows[i, top] = 100.0  # even rows: an allowed token on top (the shortcut); odd rows: a refused one
+            if i < len(drafts):
+                ahead.advance([drafts[i]])
+        expected = np.argmax(state.mask_rows(rows, drafts), axis=1)
+        np.testing.assert_array_equal(state.greedy_rows(rows, drafts), expected)
+        ties = np.zeros_like(rows)
+        np.testing.assert_array_equal(state.greedy_rows(ties, drafts), np.argmax(state.mask_rows(ties, drafts), axis=1))
+        for row in (rows[0], rows[1], ties[0]):
+            assert state.greedy(row) == int(np.argmax(state.mask(row)))
+        assert state.valid_prefix(drafts) == len(drafts)  # nothing consumed
+
+
 def test_free_length_drafts_forced_tokens_whole_and_history_at_its_length():
     forced = Draft(np.arange(6, dtype=np.int32), forced=np.array([True] * 4 + [False] * 2))
     history = Draft(np.array([1, 2, 3, 4, 5], np.int32))
