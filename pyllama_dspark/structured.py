@@ -252,8 +252,9 @@ class GrammarState:
     def row_bitmasks(self, drafts) -> np.ndarray:
         """[len(drafts) + 1, words] uint32, one bit per token (token t: bit t % 32 of word t // 32): the tokens
         allowed here and after each of ``drafts`` (all accepted by the grammar), in one llguidance call that
-        consumes the drafts on the state and rolls them back. A row llguidance never reached (after an end of
-        generation) is all zero.
+        consumes the drafts on the state and rolls them back. A row never reached (after an end of generation, or
+        after a draft token the row before refuses) is all zero; a row llguidance left out after a token its row
+        allows is computed on a copy of the state.
 
         Raises:
             GrammarError: the grammar allows no token here (a matcher in its error state).
@@ -268,6 +269,18 @@ class GrammarState:
             masks.view(np.uint8)[0, : len(words)] = words
         if not masks[0].any():
             raise GrammarError(f"the grammar allows no token here: {self._matcher.get_error() or 'no continuation'}")
+        for i in range(1, len(masks)):
+            token = drafts[i - 1]
+            if masks[i].any() or self._is_eog(token) or not (masks[i - 1][token >> 5] >> (token & 31)) & 1:
+                continue  # computed, or never reached (after an end of generation or a token its row refuses)
+            # llguidance stopped before a draft token its own mask allows: this row the slow way, as the state
+            # would be after committing drafts[:i] (an error, as committing them would raise, if it refuses one)
+            ahead = self._matcher.deep_copy()
+            for earlier in drafts[:i]:
+                if not ahead.consume_token(earlier):
+                    raise GrammarError(f"draft token {earlier} is not allowed by the grammar: {ahead.get_error()}")
+            words = np.frombuffer(ahead.compute_bitmask(), dtype=np.uint8)[: self._n_words * 4]
+            masks.view(np.uint8)[i, : len(words)] = words
         return masks
 
     def _masked_row_count(self, n_rows: int, drafts) -> int:

@@ -7,6 +7,7 @@ against plain constrained sampling). The history's store is shared by an LLM's g
 
 from __future__ import annotations
 
+import ctypes
 from collections import Counter
 from pathlib import Path
 
@@ -117,6 +118,25 @@ def test_verify_masks_in_one_call_are_the_grammar_s_row_by_row_and_the_greedy_sh
         for row in (rows[0], rows[1], ties[0]):
             assert state.greedy(row) == int(np.argmax(state.mask(row)))
         assert state.valid_prefix(drafts) == len(drafts)  # nothing consumed
+
+
+def test_verify_rows_llguidance_leaves_out_are_computed_on_a_copy_of_the_state(make_model, monkeypatch):
+    """Should llguidance's one call stop before a draft token that its own mask allows, the rows after it come from a
+    copy of the state advanced by the drafts (not left unmasked)."""
+    import pyllama_dspark.structured as structured
+
+    class FirstRowOnly:
+        def unsafe_compute_mask_ptr_with_draft_token(self, interpreters, pointer, row_bytes, n_rows):
+            (matcher, index, _), = interpreters
+            words = matcher.compute_bitmask()
+            ctypes.memmove(pointer + index * row_bytes, words, min(len(words), row_bytes))
+
+    with Model(make_model(arch="llama", vocab="llama-spm", n_layer=2)) as model:
+        state = GrammarState(Grammar.json_schema(RECORD), model)
+        drafts, _ = state.forced_draft(6)
+        expected = state.row_bitmasks(drafts)
+        monkeypatch.setattr(structured, "_executor", FirstRowOnly)
+        np.testing.assert_array_equal(state.row_bitmasks(drafts), expected)
 
 
 def test_free_length_drafts_forced_tokens_whole_and_history_at_its_length():
