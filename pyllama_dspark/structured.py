@@ -265,8 +265,7 @@ class GrammarState:
             _executor().unsafe_compute_mask_ptr_with_draft_token([(self._matcher, 0, drafts)], masks.ctypes.data,
                                                                  self._n_words * 4, len(masks))
         else:  # (llguidance's call wants at least one draft token)
-            words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)[: self._n_words * 4]
-            masks.view(np.uint8)[0, : len(words)] = words
+            _write_bitmask(masks, 0, self._matcher)
         if not masks[0].any():
             raise GrammarError(f"the grammar allows no token here: {self._matcher.get_error() or 'no continuation'}")
         for i in range(1, len(masks)):
@@ -279,8 +278,7 @@ class GrammarState:
             for earlier in drafts[:i]:
                 if not ahead.consume_token(earlier):
                     raise GrammarError(f"draft token {earlier} is not allowed by the grammar: {ahead.get_error()}")
-            words = np.frombuffer(ahead.compute_bitmask(), dtype=np.uint8)[: self._n_words * 4]
-            masks.view(np.uint8)[i, : len(words)] = words
+            _write_bitmask(masks, i, ahead)
         return masks
 
     def _masked_row_count(self, n_rows: int, drafts) -> int:
@@ -320,10 +318,7 @@ class GrammarState:
         words = self._matcher.compute_bitmask()
         if (words[token >> 3] >> (token & 7)) & 1:
             return token
-        allowed = _unpacked(np.frombuffer(words, dtype=np.uint8), self.n_vocab)
-        if not allowed.any():
-            raise GrammarError(f"the grammar allows no token here: {self._matcher.get_error() or 'no continuation'}")
-        return int(np.argmax(np.where(allowed, row, -np.inf)))
+        return int(np.argmax(np.where(_allowed(self._matcher, self.n_vocab, words), row, -np.inf)))
 
     def forced_draft(self, n_max: int, continuation=None, *, max_spans: int = 4) -> tuple[list[int], list[bool]]:
         """A draft that costs no drafter call: the tokens the grammar forces from here (llguidance's fast-forward
@@ -390,8 +385,16 @@ def _unpacked(words: np.ndarray, n_vocab: int) -> np.ndarray:
     return np.unpackbits(np.ascontiguousarray(words).view(np.uint8), bitorder="little")[:n_vocab].astype(bool)
 
 
-def _allowed(matcher, n_vocab: int) -> np.ndarray:
-    allowed = _unpacked(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), n_vocab)
+def _write_bitmask(masks: np.ndarray, row: int, matcher) -> None:
+    """The matcher's bitmask for its next token into ``masks[row]`` (32-bit words)."""
+    words = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)[: masks.shape[1] * 4]
+    masks.view(np.uint8)[row, : len(words)] = words
+
+
+def _allowed(matcher, n_vocab: int, words: bytes | None = None) -> np.ndarray:
+    """[n_vocab] bool from the matcher's bitmask (``words``, when computed already)."""
+    words = matcher.compute_bitmask() if words is None else words
+    allowed = _unpacked(np.frombuffer(words, dtype=np.uint8), n_vocab)
     if not allowed.any():  # a matcher in its error state allows nothing: never sample from an empty row
         raise GrammarError(f"the grammar allows no token here: {matcher.get_error() or 'no continuation'}")
     return allowed
