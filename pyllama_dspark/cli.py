@@ -118,9 +118,10 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                         "the text's longest suffix found in them, most frequent first), kept up to N tokens, the "
                         f"oldest dropped first (default {DEFAULT_HISTORY_TOKENS}; 0 = off)")
     p.add_argument("--grammar-drafts", action=argparse.BooleanOptionalAction, default=True,
-                   help="under a grammar (--json-schema, response_format), draft the tokens it forces, continued "
-                        "by prompt lookup or history where it is free again; verified like any draft, so the output "
-                        "is plain constrained decoding's (default on; --no-grammar-drafts: the grammar only masks)")
+                   help="under a grammar (the server's response_format; grammar= in Python), draft the tokens it "
+                        "forces, continued by prompt lookup or history where it is free again; verified like any "
+                        "draft, so the output is plain constrained decoding's (default on; --no-grammar-drafts: the "
+                        "grammar only masks)")
 
 
 def _history_tokens(args) -> int:

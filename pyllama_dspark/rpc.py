@@ -17,7 +17,7 @@ An rpc-server serves one client connection at a time; the models and contexts of
 connection per endpoint.
 
 The protocol has no authentication: never bind a server to an address other machines can reach on an open
-network (README: "Past one machine").
+network (docs/building.md, "Past one machine").
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def model_devices(endpoints: Sequence[str], timeout: float = HELLO_TIMEOUT) -> t
         RpcError: no RPC backend in this build, or an endpoint that fails HELLO or has no devices.
     """
     if not available():
-        raise RpcError("this build has no RPC backend: reinstall with -C cmake.define.GGML_RPC=ON (README: "
+        raise RpcError("this build has no RPC backend: reinstall with -C cmake.define.GGML_RPC=ON (docs/building.md: "
                        "\"Past one machine\")", op="rpc_add_server")
     infos = []
     for endpoint in endpoints:

@@ -5,8 +5,8 @@ speculative, under each waiting policy (or build), side by side in one run.
 Each process loads the model, warms up, waits for the others, then generates for a fixed wall time (so all of
 them overlap for the whole window) and reports decode tokens per second. A policy is a set of environment
 variables for the processes, or another install of the package: ``package`` sets nothing, which is what users
-get (ggml's own thread pool, whose waiting threads yield the core after a short spin: README "Sharing the
-cores"); ``pure-spin`` is that pool never yielding (upstream's barrier); ``build:DIR`` runs the package installed
+get (ggml's own thread pool, whose waiting threads yield the core after a short spin: docs/python-api.md, "Sharing
+the cores"); ``pure-spin`` is that pool never yielding (upstream's barrier); ``build:DIR`` runs the package installed
 in DIR, e.g. the OpenMP build it replaced (``pip install --target DIR -C cmake.define.GGML_OPENMP=ON .``), where
 ``libgomp`` (GOMP_SPINCOUNT 300000, libgomp's default) and ``passive`` (OMP_WAIT_POLICY) apply.
 

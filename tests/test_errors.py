@@ -227,7 +227,7 @@ def test_each_decode_return_code_has_its_named_error(code, cls, meaning):
 
 
 def test_errors_about_what_the_caller_passed_are_also_value_errors():
-    """The README promises these are ValueErrors too, so `except ValueError` catches bad input."""
+    """docs/troubleshooting.md promises these are ValueErrors too, so `except ValueError` catches bad input."""
     from pyllama_dspark import CaptureError, DecodeAbortedError, DrafterError, FatalDecodeError, KvCacheFullError
 
     for cls in (InvalidBatchError, DrafterError, CaptureError, ClosedHandleError):

@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.skipif(not bundled.gemma3_270m_installed(),
                                  reason=f"Gemma 3 270M not installed ({bundled.GEMMA3_INSTALL})"),
               pytest.mark.timeout(900)]
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+# a long markdown text of our own: the README and the documentation pages (tens of thousands of tokens)
+TEXT = "\n\n".join(page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def gemma():
 
 @pytest.fixture(scope="module")
 def text_ids(gemma):
-    return [int(t) for t in gemma.tokenize(README, add_special=True)]
+    return [int(t) for t in gemma.tokenize(TEXT, add_special=True)]
 
 
 def test_gemma_is_assembled_once_and_checked(gemma):
@@ -78,7 +80,7 @@ def gemma_drafter():
 @pytest.mark.parametrize("source, n_draft, swa_full, n_prompt, n_gen", [
     ("dspark", 4, False, 300, 260),   # fixed length: a rollback after every rejected slot, window-sized cache
     ("dspark", None, True, 900, 160),  # cost-aware, past position 1024
-    ("hybrid", None, False, 900, 160),  # the default configuration: lookup on this README, DSpark elsewhere
+    ("hybrid", None, False, 900, 160),  # the default configuration: lookup on this markdown, DSpark elsewhere
 ])
 def test_dspark_and_hybrid_speculation_equal_plain_across_the_window(gemma, gemma_drafter, text_ids, source, n_draft,
                                                                       swa_full, n_prompt, n_gen):
@@ -96,7 +98,7 @@ def test_dspark_and_hybrid_speculation_equal_plain_across_the_window(gemma, gemm
     finally:
         ctx.close()
     assert fast.tokens == plain.tokens
-    # drafts were verified (and rolled back); on this README's markdown the cost-aware chooser soon stops drafting
+    # drafts were verified (and rolled back); on this markdown the cost-aware chooser soon stops drafting
     assert fast.stats.drafted > 0 and (n_draft is None or fast.stats.accepted > 0)
 
 

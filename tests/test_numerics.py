@@ -169,7 +169,7 @@ PROMPT_100 = (np.arange(100) * 53 % 251 + 1).tolist()
 
 @pytest.mark.parametrize("qtype", ["f32", "q8_0"])
 def test_the_mode_covers_batches_up_to_64_and_prompt_sized_batches_keep_the_fast_kernels(quantized, qtype):
-    """The README's boundary: rows of a 64-token batch are bit-identical to token-by-token decoding; a
+    """The boundary docs/python-api.md states: rows of a 64-token batch are bit-identical to token-by-token decoding; a
     65-token batch is prompt-sized and goes through the fast (batch-shaped) kernels."""
     with Model(quantized("llama", qtype)) as model:
         ctx = Context(model, n_ctx=256, n_batch=128, n_ubatch=128)

@@ -357,13 +357,14 @@ def test_the_cli_rpc_server_and_generate_with_rpc_match_a_local_run(make_model, 
         server.wait(timeout=10)
 
 
-def test_the_readme_rpc_example_runs_as_written(make_pair, tmp_path):
-    """README "Past one machine": its Python example, on two servers started here in place of 50052/50053."""
+def test_the_docs_rpc_example_runs_as_written(make_pair, tmp_path):
+    """docs/building.md "Past one machine": its Python example, on two servers started here in place of
+    50052/50053."""
     import re
     import shutil
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("\n## Past one machine (RPC)\n", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parent.parent / "docs" / "building.md").read_text()
+    section = page.split("\n## Past one machine (RPC)\n", 1)[1].split("\n## ", 1)[0]
     (example,) = re.findall(r"^```python\n(.*?)^```", section, flags=re.M | re.S)
     pair = make_pair(TinySpec(arch="llama", n_layer=3, vocab="llama-spm"))
     shutil.copy(pair.target, tmp_path / "target.gguf")
