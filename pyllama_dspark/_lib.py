@@ -21,7 +21,15 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 
 def build_info() -> str:
-    """Identity of the loaded libllama: package version, llama.cpp base commit, patch series hash."""
+    """Identity of the loaded libllama: package version, llama.cpp base commit, patch series hash.
+
+    Returns:
+        One line, e.g. ``"pyllama-dspark 0.1.0 llama.cpp 0c1e57098 series fe49b6fd9fbfe406"``.
+
+    Example:
+        >>> pyllama_dspark.build_info()
+        'pyllama-dspark 0.1.0 llama.cpp 0c1e57098 series fe49b6fd9fbfe406'
+    """
     return ffi.string(lib.llama_dspark_build_info()).decode()
 
 

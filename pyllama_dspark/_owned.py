@@ -31,6 +31,7 @@ class Owned:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` has freed the native object (using it then raises ClosedHandleError)."""
         return self._ptr is None
 
     def _adopt(self, child: "Owned") -> None:

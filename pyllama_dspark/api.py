@@ -58,7 +58,7 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
             drafter, prompt lookup alone (``PromptLookupDrafter()``). Default (None): on with a DSpark drafter
             given as a path, off otherwise (plain decoding stays plain, a Drafter object stays as given). The
             hybrid is the default because it beat the DSpark drafter alone on every task category measured and
-            was level with prompt lookup alone overall (README "Which configuration"); False keeps the DSpark
+            was level with prompt lookup alone overall (docs/configuration.md); False keeps the DSpark
             drafter alone.
         history_tokens: with prompt lookup beside a DSpark drafter (the default configuration), a third free
             source drafts from the replies of this LLM's earlier generations (``HistoryStore``: the continuation
@@ -68,12 +68,35 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
             where it is free again); verified like any draft. False: the grammar only masks.
         n_gpu_layers: target layers to offload to a GPU or the RPC servers (default: all with ``rpc_servers``,
             else 0). A DSpark drafter's own layers stay local unless it is given.
-        rpc_servers, tensor_split: the target's layers on rpc-servers (see ``Model``); a path target only.
-        context_kwargs: further ``Context`` arguments (``n_batch``, ``kv_type``, ``consistent_numerics``...).
+        rpc_servers: ``"host:port"`` endpoints of rpc-servers that hold the target's offloaded layers (see
+            ``Model``); a path target only.
+        tensor_split: the share of the offloaded layers per RPC device (see ``Model``); a path target only.
+        **context_kwargs: further ``Context`` arguments (``n_batch``, ``kv_type``, ``consistent_numerics``...).
+
+    Returns:
+        The loaded ``LLM``, ready to ``generate``, ``stream``, ``chat`` and ``create_chat_completion``. It owns its
+            context and drafter, and the model when ``target`` is a path: ``close()`` it, or use it in a ``with``
+            block.
 
     Raises:
-        TypeError: an argument of the wrong type; FileNotFoundError / ModelLoadError: a bad file;
-        DrafterError: a drafter that does not fit the target.
+        TypeError: an argument of the wrong type (the message names it), e.g. a ``target`` that is neither a path
+            nor a Model, or a ``drafter`` without the Drafter protocol.
+        ValueError: a size out of range (``n_ctx`` < 1, ``n_threads`` < 1, ``history_tokens`` < 0, a negative
+            ``n_draft``, a bad ``Context`` argument), or ``rpc_servers`` / ``tensor_split`` with an open Model.
+        FileNotFoundError: the target's or the drafter's file does not exist.
+        ModelLoadError: llama.cpp refused a file (not GGUF, truncated, corrupt, unsupported architecture).
+        DrafterError: a drafter that does not fit the target (a ValueError).
+        ContextInitError: llama.cpp could not create the target's (or the drafter's) context.
+        UnsupportedModeError: consistent numerics (on by default) cannot be promised on this model or backend.
+        RpcError: an RPC server cannot be used.
+
+    Example:
+        ```python
+        import pyllama_dspark
+
+        with pyllama_dspark.load("target.gguf", drafter="drafter.gguf", n_ctx=8192) as llm:
+            print(llm.generate("The capital of France is", max_tokens=16).text)
+        ```
     """
     n_ctx = checks.integer("n_ctx", n_ctx, minimum=1)
     n_threads = checks.optional_integer("n_threads", n_threads, minimum=1)
@@ -101,8 +124,40 @@ def load(target: str | os.PathLike[str] | Model, drafter: str | os.PathLike[str]
 class LLM:
     """A target (and drafter) loaded by ``load``: generate, stream, chat, OpenAI-shaped completions.
 
+    Make one with ``load``, which checks the arguments and opens the model; the constructor takes an open Model
+    and ``load``'s other arguments. With a drafter every call decodes speculatively (at temperature 0 exactly the
+    tokens of plain greedy decoding); without one it decodes plainly. One generation runs at a time on an LLM
+    (a second one raises ``ContextBusyError``); ``generate_batch`` runs many together. ``with load(...) as llm:``
+    closes it.
+
+    Args:
+        model: the target's open Model.
+        drafter: as ``load``'s ``drafter``: a DSpark drafter path, a Drafter object, or None.
+        owns_model: whether ``close`` closes ``model`` too (``load`` sets it when it opened the file).
+        n_ctx: context size in tokens, as ``load``.
+        n_threads: CPU threads, as ``load``.
+        n_draft: drafts per round, as ``load``.
+        n_gpu_layers: target layers offloaded, as ``load`` (0: none).
+        n_draft_min: as ``load``.
+        p_min: as ``load``.
+        prompt_lookup: as ``load``.
+        history_tokens: as ``load``.
+        grammar_drafts: as ``load``.
+        **context_kwargs: further ``Context`` arguments, as ``load``.
+
+    Raises:
+        TypeError, ValueError, FileNotFoundError, ModelLoadError, DrafterError, ContextInitError: as ``load``.
+
+    Example:
+        ```python
+        llm = pyllama_dspark.load("target.gguf", drafter="drafter.gguf")
+        print(llm.generate("Hello", max_tokens=32).text)
+        llm.close()
+        ```
+
     Attributes:
-        model, ctx: the target's Model and Context.
+        model: the target's Model.
+        ctx: the target's Context.
         drafter: the Drafter (a ``HybridDrafter`` with ``prompt_lookup``), or None for plain decoding.
         history: the ``HistoryStore`` of earlier replies the hybrid drafts from (None: no history source).
         speculator: the Speculator over ctx and drafter, or None.
@@ -157,7 +212,37 @@ class LLM:
         "json_schema", "json_schema": {"schema": ...}}``) for a grammar.
 
         ``cancel``: a ``CancelToken``; once another thread cancels it the generation stops at the next round (or
-        inside a long prefill) and ends with ``stop_reason`` "cancelled" and the tokens committed so far."""
+        inside a long prefill) and ends with ``stop_reason`` "cancelled" and the tokens committed so far.
+
+        Args:
+            prompt: text (tokenized with the model's special tokens) or token ids.
+            cancel: a ``CancelToken`` that stops the generation early (see above), or None.
+            **kwargs: ``pyllama_dspark.generate``'s keyword arguments (``stream`` excepted: use ``stream``), and
+                ``response_format`` (OpenAI's; not together with ``grammar``).
+
+        Returns:
+            The result, with ``text`` (cut before a stop string), ``tokens``, ``stop_reason`` ("eog", "stop",
+                "max_tokens", "n_ctx" or "cancelled"), ``stats`` (a ``SpecStats``) and ``logprobs`` when asked for.
+
+        Raises:
+            TypeError: an argument of the wrong type (the message names it), an unknown keyword, ``stream=True``,
+                or a ``cancel`` that is not a CancelToken.
+            ValueError: an empty prompt, a prompt of n_ctx tokens or more, bad sampling parameters, ``logprobs``
+                above 20, or both ``response_format`` and ``grammar``.
+            GrammarError: a ``response_format`` that is malformed or does not compile, or a grammar this model's
+                vocabulary cannot meet (a ValueError).
+            InvalidBatchError: a token id outside the vocabulary.
+            ContextBusyError: another generation (an unfinished ``stream``) is running on this LLM.
+            ClosedHandleError: the LLM is closed.
+            DecodeError: a decode failed (``KvCacheFullError``, ``FatalDecodeError``, ...).
+
+        Example:
+            ```python
+            llm = pyllama_dspark.load("target.gguf", drafter="drafter.gguf")
+            result = llm.generate("The capital of France is", max_tokens=16)
+            print(result.text, result.stop_reason, result.stats.tau)
+            ```
+        """
         if kwargs.pop("stream", False):
             raise TypeError("use LLM.stream(...) for a stream of events")
         return self._run(prompt, kwargs, stream=False, cancel=cancel)
@@ -165,13 +250,66 @@ class LLM:
     def stream(self, prompt: str | Sequence[int], *, cancel: CancelToken | None = None,
                **kwargs) -> Iterator[TokenEvent]:
         """Like ``generate``, as TokenEvents (text, ``from_draft``; the last event carries the stop reason and the
-        ``result``)."""
+        ``result``).
+
+        The arguments are checked at the call; the generation runs as the iterator is consumed, a round at a time,
+        and owns the LLM's context until it ends or the iterator is closed (``close()``, or leaving a ``for`` loop
+        over it and dropping it).
+
+        Args:
+            prompt: text (tokenized with the model's special tokens) or token ids.
+            cancel: a ``CancelToken``; once cancelled the stream ends with a "cancelled" event.
+            **kwargs: as ``generate``.
+
+        Yields:
+            One event per generated token (its ``text`` is "" while a UTF-8 sequence is incomplete or the text
+                could still begin a stop string), then a last event of token -1 whose ``stop_reason`` says why the
+                generation ended and whose ``result`` is the whole ``GenerationResult``.
+
+        Raises:
+            TypeError, ValueError, GrammarError, InvalidBatchError, ClosedHandleError: as ``generate``, at the call.
+            ContextBusyError: another generation is running on this LLM (when the first event is asked for).
+            DecodeError: a decode failed (while iterating).
+
+        Example:
+            ```python
+            llm = pyllama_dspark.load("target.gguf", drafter="drafter.gguf")
+            for event in llm.stream("Write a haiku about the sea.", max_tokens=64):
+                print(event.text, end="", flush=True)
+            ```
+        """
         return self._run(prompt, kwargs, stream=True, cancel=cancel)
 
     def chat(self, messages: Sequence[Mapping[str, str]], *, stream: bool = False,
              cancel: CancelToken | None = None, **kwargs):
         """``generate`` (or ``stream``) on the messages formatted with the model's chat template; the memory of
-        the conversation so far is kept between turns (``reuse_prefix``)."""
+        the conversation so far is kept between turns (``reuse_prefix``).
+
+        Pass the whole conversation each turn: the prefix it shares with the previous turn is not decoded again.
+
+        Args:
+            messages: the conversation, a list of ``{"role": ..., "content": ...}`` dicts of strings.
+            stream: return an iterator of ``TokenEvent`` (as ``stream``) instead of a result.
+            cancel: a ``CancelToken`` that stops the generation early, as ``generate``.
+            **kwargs: as ``generate`` (``reuse_prefix`` defaults to True here).
+
+        Returns:
+            The reply, a ``GenerationResult`` as ``generate`` returns; with ``stream``, an iterator of ``TokenEvent``.
+
+        Raises:
+            TypeError: ``messages`` is not a list of dicts with string ``role`` and ``content``; or as ``generate``.
+            ValueError: the model has no chat template, or as ``generate``; ``chat.ChatTemplateError`` (a
+                ValueError): the template failed to render.
+            GrammarError, ContextBusyError, ClosedHandleError, DecodeError: as ``generate``.
+
+        Example:
+            ```python
+            llm = pyllama_dspark.load("target.gguf", drafter="drafter.gguf")
+            messages = [{"role": "user", "content": "Name three colours."}]
+            reply = llm.chat(messages, max_tokens=64)
+            messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "Three more?"}]
+            ```
+        """
         prompt = self.model.apply_chat_template(checks.messages(messages))
         kwargs.setdefault("reuse_prefix", True)
         return self._run(prompt, kwargs, stream=stream, cancel=cancel)
@@ -230,8 +368,38 @@ class LLM:
         alone. With ``seed``, prompt i samples with seed + i. ``grammar`` and ``logprobs`` as ``generate``, for
         every prompt.
 
+        Args:
+            prompts: a list of prompts, each text or token ids.
+            parallel: most prompts decoded together (the sequences of the ``batch_scheduler`` context).
+            max_tokens: most tokens to generate per prompt.
+            temperature: 0 is exact greedy; see ``SamplingParams``.
+            top_k: see ``SamplingParams``.
+            top_p: see ``SamplingParams``.
+            seed: the first prompt's seed (prompt i samples with seed + i); None: nondeterministic.
+            stop: a string or a list of strings that end a generation (its text is cut before it).
+            stop_at_eog: stop after an end-of-generation token.
+            add_special: let the tokenizer add BOS/EOS as the model asks (text prompts only).
+            grammar: a ``Grammar`` every output must meet.
+            logprobs: report each token's log-probability with this many alternatives (0..20); None: none.
+
+        Returns:
+            One ``GenerationResult`` per prompt, in prompt order.
+
         Raises:
-            TypeError / ValueError: as ``generate``, for any of the prompts (checked before any decode).
+            TypeError: ``prompts`` is not a list of prompts, or an argument of the wrong type (as ``generate``, for
+                any of the prompts, checked before any decode).
+            ValueError: ``parallel`` < 1 or above the context's ``n_batch``, ``max_tokens`` < 0, an empty prompt or
+                one of n_ctx tokens or more, bad sampling parameters, ``logprobs`` above 20 (checked before any
+                decode).
+            GrammarError: a grammar this vocabulary cannot meet (a ValueError).
+            ContextInitError: llama.cpp could not create the scheduler's context.
+            DecodeError: a decode failed (the scheduler is emptied, ready for the next call).
+
+        Example:
+            ```python
+            results = llm.generate_batch(["Hello", "Bonjour", "Hallo"], parallel=3, max_tokens=32)
+            print([r.text for r in results])
+            ```
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of prompts (text or token ids), got {type(prompts).__name__}")
@@ -256,7 +424,20 @@ class LLM:
         """The ``BatchScheduler`` behind ``generate_batch`` and ``serve --parallel``: a second Context on this
         model with ``parallel`` sequences of this LLM's n_ctx each, and this LLM's draft sources for all of them:
         its DSpark drafter's file loaded again on that context, and its prompt lookup's settings for each
-        sequence's own lookup. Made once per ``parallel``, closed with the LLM."""
+        sequence's own lookup. Made once per ``parallel``, closed with the LLM.
+
+        Args:
+            parallel: the number of sequences (concurrent generations).
+
+        Returns:
+            The scheduler for ``parallel`` (the same object on every call with that value); its ``run`` takes
+                ``BatchRequest``s.
+
+        Raises:
+            ValueError: ``parallel`` is not a positive int, or exceeds the context's ``n_batch``.
+            ContextInitError: llama.cpp could not create the second context.
+            ClosedHandleError: the LLM is closed.
+        """
         if parallel not in self._schedulers:
             settings = self._batch_settings
             dspark = self.drafter.model_drafter if isinstance(self.drafter, HybridDrafter) else self.drafter
@@ -292,7 +473,36 @@ class LLM:
         statistics when a drafter runs), or with ``stream`` an iterator of chunk dicts. Temperature 0 (the
         default here, unlike llama-cpp-python's 0.8) is exact greedy decoding. ``logprobs``: each token's
         log-probability and this many alternatives (``choices[0].logprobs``: tokens, token_logprobs,
-        top_logprobs, text_offset); ``response_format`` / ``grammar``: structured output."""
+        top_logprobs, text_offset); ``response_format`` / ``grammar``: structured output.
+
+        Args:
+            prompt: text or token ids.
+            max_tokens: most tokens to generate; None: until the end of generation or of the context.
+            temperature: 0 (the default) is exact greedy decoding; see ``SamplingParams``.
+            top_p: see ``SamplingParams``.
+            top_k: see ``SamplingParams``.
+            stop: a string or a list of strings that end the generation (the text is cut before it).
+            seed: seed of the sampler; None: nondeterministic.
+            stream: return an iterator of chunk dicts instead of one dict.
+            logprobs: report each token's log-probability with this many alternatives (0..20); None: none.
+            response_format: OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+                {"schema": {...}}}`` (``{"type": "text"}``: free text).
+            grammar: a ``Grammar`` (instead of ``response_format``).
+
+        Returns:
+            A ``text_completion`` dict (``id``, ``created``, ``model``, ``choices[0]`` with ``text``, ``logprobs``
+                and ``finish_reason``, ``usage``, and ``speculative`` with a drafter); with ``stream``, an iterator of
+                ``text_completion`` chunk dicts, the last with the ``finish_reason``.
+
+        Raises:
+            TypeError: an argument of the wrong type (the message names it).
+            ValueError: an empty or too long prompt, ``max_tokens`` < 0, bad sampling parameters, ``logprobs``
+                above 20, or both ``response_format`` and ``grammar``.
+            GrammarError: a ``response_format`` that is malformed or does not compile, or a grammar this model's
+                vocabulary cannot meet (a ValueError).
+            ContextBusyError: another generation is running on this LLM (with ``stream``: while iterating).
+            DecodeError: a decode failed.
+        """
         knobs = self._knobs(max_tokens, temperature, top_p, top_k, stop, seed)
         knobs.update(logprobs=logprobs, grammar=self._grammar(response_format, grammar))
         return self._completion(prompt, knobs, stream, chat=False)
@@ -313,8 +523,48 @@ class LLM:
         ...}}``): function calling (``pyllama_dspark.tools``); a reply that calls a tool has ``message.tool_calls``
         and ``finish_reason`` "tool_calls".
 
+        Args:
+            messages: OpenAI's chat messages (``role`` and ``content`` strings; an assistant message may carry
+                ``tool_calls``, its ``content`` then may be None).
+            max_tokens: most tokens to generate; None: until the end of generation or of the context.
+            temperature: 0 (the default) is exact greedy decoding; see ``SamplingParams``.
+            top_p: see ``SamplingParams``.
+            top_k: see ``SamplingParams``.
+            stop: a string or a list of strings that end the generation (the text is cut before it).
+            seed: seed of the sampler; None: nondeterministic.
+            stream: return an iterator of ``chat.completion.chunk`` dicts instead of one dict.
+            logprobs: report each token's log-probability (``choices[0].logprobs.content``).
+            top_logprobs: with ``logprobs``, this many most likely alternatives per token (0..20).
+            response_format: OpenAI's ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+                {"schema": {...}}}`` (``{"type": "text"}``: free text).
+            grammar: a ``Grammar`` (instead of ``response_format``).
+            tools: OpenAI's ``{"type": "function", "function": {"name", "description", "parameters"}}`` objects.
+            tool_choice: "auto" (the default with tools), "none", "required", or a function to call (``{"type":
+                "function", "function": {"name": ...}}``); "required" and a named function force a call.
+
+        Returns:
+            A ``chat.completion`` dict (``id``, ``created``, ``model``, ``choices[0]`` with ``message``, ``logprobs``
+                and ``finish_reason``, ``usage``, and ``speculative`` with a drafter); with ``stream``, an iterator of
+                ``chat.completion.chunk`` dicts: a first ``{"role": "assistant"}`` delta, the content deltas (a tool
+                call as one ``tool_calls`` delta), then one with the ``finish_reason``.
+
         Raises:
-            ToolError / GrammarError (ValueErrors naming the field), TypeError: bad arguments.
+            ToolError: a malformed ``tools`` list or ``tool_choice`` (a ValueError; ``param`` names the field).
+            GrammarError: a ``response_format`` that is malformed or does not compile, or a grammar this model's
+                vocabulary cannot meet (a ValueError).
+            TypeError: an argument of the wrong type, e.g. a non-bool ``logprobs`` or a malformed message.
+            ValueError: ``top_logprobs`` without ``logprobs`` or above 20, both ``response_format`` and
+                ``grammar``, a forced tool call together with either, a model without a chat template, an empty or
+                too long prompt, bad sampling parameters.
+            ContextBusyError: another generation is running on this LLM (with ``stream``: while iterating).
+            DecodeError: a decode failed.
+
+        Example:
+            ```python
+            llm = pyllama_dspark.load("target.gguf", drafter="drafter.gguf")
+            reply = llm.create_chat_completion([{"role": "user", "content": "Name a colour."}], max_tokens=16)
+            print(reply["choices"][0]["message"]["content"], reply["usage"]["completion_tokens"])
+            ```
         """
         checks.instance("logprobs", logprobs, bool)
         top = checks.optional_integer("top_logprobs", top_logprobs, minimum=0)
@@ -360,7 +610,11 @@ class LLM:
 
     # --- lifetime ----------------------------------------------------------------------
     def close(self) -> None:
-        """Close the drafter, the context and (if ``load`` opened it) the model."""
+        """Close the drafter, the context and (if ``load`` opened it) the model.
+
+        Also closes the ``batch_scheduler`` contexts. Safe to call more than once; afterwards its generation methods
+        raise ``ClosedHandleError``. A Model given to ``load`` stays open (it is the caller's to close).
+        """
         for scheduler, ctx, drafter in self._schedulers.values():
             scheduler.close()
             if drafter is not None:

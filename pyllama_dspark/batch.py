@@ -46,6 +46,7 @@ class Batch(Owned):
         lib.llama_batch_free(ptr[0])
 
     def clear(self) -> None:
+        """Empty the batch for reuse (capacity unchanged); raises ClosedHandleError once closed."""
         self.ptr
         self.n_tokens = 0
 
@@ -129,6 +130,7 @@ class EmbdBatch(Owned):
         lib.llama_batch_ext_free(ptr)
 
     def clear(self) -> None:
+        """Empty the batch for reuse; raises ClosedHandleError once closed."""
         lib.llama_batch_ext_clear(self.ptr)
         self.n_tokens = 0
         self._outputs = []

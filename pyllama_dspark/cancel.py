@@ -22,6 +22,7 @@ class CancelToken:
         self._listeners: list[Callable[[], None]] = []
 
     def cancel(self) -> None:
+        """Cancel, from any thread: ``cancelled`` becomes True and the listeners run now, on this thread. Idempotent."""
         with self._lock:
             self._event.set()
             listeners, self._listeners = self._listeners, []

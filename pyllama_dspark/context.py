@@ -230,6 +230,7 @@ class Context(Owned):
     # --- sizes -------------------------------------------------------------------------
     @property
     def n_ctx(self) -> int:
+        """The KV cache size in tokens as llama.cpp made it (``n_ctx`` rounded up; ``n_ctx=0``: the training size)."""
         return lib.llama_n_ctx(self.ptr)
 
     @property
@@ -240,22 +241,27 @@ class Context(Owned):
 
     @property
     def n_batch(self) -> int:
+        """The most tokens one ``decode`` accepts."""
         return lib.llama_n_batch(self.ptr)
 
     @property
     def n_ubatch(self) -> int:
+        """The most tokens computed in one graph (a batch is split into ubatches of this size)."""
         return lib.llama_n_ubatch(self.ptr)
 
     @property
     def n_seq_max(self) -> int:
+        """The number of sequences (sequence ids 0 .. n_seq_max - 1)."""
         return lib.llama_n_seq_max(self.ptr)
 
     @property
     def n_rs_seq(self) -> int:
+        """Recurrent-state snapshots per sequence: the most trailing tokens a hybrid/recurrent model can drop."""
         return lib.llama_n_rs_seq(self.ptr)
 
     @_serialised
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        """Set the CPU threads of the following decodes: single tokens, and batches (default: ``n_threads``)."""
         lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
 
     @_serialised
@@ -359,6 +365,15 @@ class Context(Owned):
 
         i >= 0 is a batch index whose logits flag was set; i < 0 counts output rows from the end
         (-1: the last row with logits), as llama_get_logits_ith does. Valid until the next decode.
+
+        Args:
+            i: a batch index with the logits flag, or a negative index counting output rows from the end.
+
+        Returns:
+            A float32 [n_vocab] view over llama.cpp's buffer (``.copy()`` it to keep it).
+
+        Raises:
+            IndexError: that index has no logits in the last decode.
         """
         row = self._resolve_output(i)
         ptr = lib.llama_get_logits_ith(self.ptr, int(row))
@@ -368,7 +383,14 @@ class Context(Owned):
 
     @_serialised
     def all_logits(self) -> np.ndarray:
-        """Logits [n_outputs, n_vocab] of every output row of the last decode, in batch order (a view)."""
+        """Logits [n_outputs, n_vocab] of every output row of the last decode, in batch order (a view).
+
+        Returns:
+            A float32 [n_outputs, n_vocab] view, row k for ``output_indices[k]``, valid until the next decode.
+
+        Raises:
+            IndexError: the last decode produced no logits.
+        """
         n_out = len(self._outputs)
         if n_out == 0:
             raise IndexError("the last decode produced no logits")
@@ -420,15 +442,22 @@ class Context(Owned):
 
     @property
     def capture_layers(self) -> list[int]:
+        """The layer ids captured on every decode (``set_capture_layers``); [] when capture is off."""
         return list(self._capture_ids)
 
     @property
     def capture_width(self) -> int:
+        """Width of a captured row: ``len(capture_layers) * model.n_embd`` (0 when capture is off)."""
         return len(self._capture_ids) * self.model.n_embd
 
     @_serialised
     def capture(self) -> np.ndarray:
         """Captured rows of the last decode, [n_rows, n_capture * n_embd] (a view; see module doc).
+
+        Returns:
+            A float32 [n_rows, capture_width] view, valid until the next decode: per row, the captured layers'
+                outputs side by side in ``capture_layers`` order; one row per token (dense) or per token with the
+                logits flag (masked).
 
         Raises:
             CaptureError: capture is off, or the last decode produced no rows (it failed, or masked
@@ -442,7 +471,14 @@ class Context(Owned):
     def capture_row(self, i: int) -> np.ndarray:
         """The captured row of batch index i of the last decode (negative i counts from the end).
 
+        Args:
+            i: a batch index (with masked capture, one with the logits flag); negative counts from the end.
+
+        Returns:
+            A float32 [capture_width] view, valid until the next decode.
+
         Raises:
+            CaptureError: capture is off, or the last decode captured no rows.
             IndexError: no row for that index (out of range, or masked capture and logits off there).
         """
         n_rows = self._capture_rows()
@@ -567,7 +603,18 @@ class Context(Owned):
     @_serialised
     def seq_state(self, seq_id: int) -> bytearray:
         """A copy of one sequence's memory (its KV cells and, for a hybrid or recurrent target, its state), for
-        ``set_seq_state`` on this context."""
+        ``set_seq_state`` on this context.
+
+        Args:
+            seq_id: the sequence, in [0, n_seq_max).
+
+        Returns:
+            The sequence's state as llama.cpp serialises it.
+
+        Raises:
+            ValueError: ``seq_id`` outside [0, n_seq_max).
+            MemoryOpError: llama.cpp could not copy it.
+        """
         self._check_seq(seq_id)
         size = lib.llama_state_seq_get_size(self.ptr, seq_id)
         data = bytearray(size)
@@ -597,6 +644,7 @@ class Context(Owned):
 
     @_serialised
     def seq_pos_min(self, seq_id: int = 0) -> int:
+        """Smallest position held for the sequence, -1 when empty."""
         self._check_seq(seq_id)
         return lib.llama_memory_seq_pos_min(self._memory(), seq_id)
 

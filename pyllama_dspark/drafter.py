@@ -65,6 +65,13 @@ class Drafter(Protocol):
 
     ``capture_layers``: target layer outputs whose concatenated rows ``observe`` receives
     (empty for drafters that only need token ids).
+
+    Any object with these attributes and methods drafts for ``Speculator`` and ``load`` (no base class needed);
+    ``DSparkDrafter``, ``PromptLookupDrafter`` and ``HybridDrafter`` are the built-in ones.
+
+    Attributes:
+        capture_layers: the target layer outputs (HF ids) ``observe`` receives, concatenated per row; [] for none.
+        block_size: the most tokens ``propose`` returns.
     """
 
     capture_layers: list[int]
@@ -271,6 +278,7 @@ class DSparkDrafter:
         return self.info.capture_layers
 
     def close(self) -> None:
+        """Close the drafter's model and its context (the target's stay open). Safe to call more than once."""
         self.model.close()
 
     def __enter__(self):
@@ -510,9 +518,15 @@ class PromptLookupDrafter:
         return self._text[:self._n].tolist()
 
     def reset(self) -> None:
+        """Forget the observed tokens (a new generation)."""
         self._n = 0
 
     def observe(self, tokens: np.ndarray, rows: np.ndarray | None, pos0: int) -> None:
+        """Committed tokens at positions pos0.. (what was observed from pos0 on is replaced; ``rows`` is unused).
+
+        Raises:
+            ValueError: ``pos0`` past the tokens observed so far (a gap).
+        """
         if self._n < pos0:
             raise ValueError(f"observed position {pos0} after only {self._n} tokens")
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
@@ -525,6 +539,9 @@ class PromptLookupDrafter:
         self._n = end
 
     def propose(self, anchor: int, pos: int, n_max: int | None = None, sampler=None) -> Draft:
+        """Up to n_max (default and most: the block size) tokens that followed the latest earlier occurrence of the
+        longest n-gram (ngram_max down to ngram_min tokens) ending with ``anchor`` at ``pos``; an empty Draft when
+        none occurs. ``sampler`` is unused (a deterministic proposal)."""
         n_max = self.block_size if n_max is None else min(int(n_max), self.block_size)
         # the text is the committed tokens before pos, then the anchor at index last (not appended: that copies the
         # whole text every round). The ends e < last of earlier occurrences of the anchor; an n-gram match ends at

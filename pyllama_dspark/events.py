@@ -48,18 +48,22 @@ class GenerationResult:
 
     @property
     def finish_reason(self) -> str:
+        """``stop_reason`` in OpenAI's terms: "stop" (end of generation, stop string), "length" or "cancelled"."""
         return finish_reason(self.stop_reason)
 
     @property
     def n_prompt(self) -> int:
+        """Prompt tokens (``stats.n_prompt``)."""
         return self.stats.n_prompt
 
     @property
     def t_prefill(self) -> float:
+        """Seconds spent decoding the prompt (``stats.t_prefill``)."""
         return self.stats.t_prefill
 
     @property
     def t_decode(self) -> float:
+        """Seconds spent generating after the prompt (``stats.t_decode``)."""
         return self.stats.t_decode
 
     @property
@@ -85,6 +89,14 @@ class TokenEvent:
     Every stream ends with one event of token -1 whose ``stop_reason`` (and ``finish_reason``) says why
     the generation ended; its text is what was left (an incomplete UTF-8 tail as U+FFFD), usually "", and its
     ``result`` is the whole generation's ``GenerationResult`` (text, tokens, stats).
+
+    Attributes:
+        token: the token id; -1 in the last event.
+        text: the text this token releases (see above).
+        from_draft: True when a draft proposed the token and the target accepted it.
+        stop_reason: None, except in the last event: "eog", "stop", "max_tokens", "n_ctx" or "cancelled".
+        result: None, except in the last event: the ``GenerationResult``.
+        logprob: the token's ``TokenLogprob`` when the generation was asked for ``logprobs``, else None.
     """
 
     token: int
@@ -96,6 +108,7 @@ class TokenEvent:
 
     @property
     def finish_reason(self) -> str | None:
+        """``stop_reason`` in OpenAI's terms ("stop", "length" or "cancelled"); None before the last event."""
         return None if self.stop_reason is None else finish_reason(self.stop_reason)
 
 

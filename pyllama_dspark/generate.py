@@ -150,6 +150,13 @@ def generate(ctx: Context, prompt: str | Sequence[int], *, max_tokens: int = 128
         TypeError: an argument of the wrong type (the message names it), e.g. a Model for ``ctx``.
         ValueError: empty prompt, prompt too long for n_ctx, bad sampling params, logprobs above 20;
             GrammarError (a ValueError): a grammar this vocabulary cannot meet.
+
+    Example:
+        ```python
+        model = pyllama_dspark.Model("target.gguf")
+        ctx = pyllama_dspark.Context(model, n_ctx=4096)
+        print(pyllama_dspark.generate(ctx, "The capital of France is", max_tokens=16).text)
+        ```
     """
     checks.instance("ctx", ctx, Context, "create one with Context(model), or use pyllama_dspark.load(path)")
     max_tokens = checks.integer("max_tokens", max_tokens, minimum=0)

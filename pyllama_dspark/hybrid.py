@@ -113,6 +113,7 @@ class HybridDrafter:
             source.observe(tokens, None, pos0)
 
     def reset(self) -> None:
+        """Forget what every source observed (a new generation); the history store keeps its replies."""
         self.model_drafter.reset()
         for source in self.free.values():
             source.reset()

@@ -18,7 +18,14 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 @dataclass(frozen=True)
 class TokenLogprob:
     """One generated token's log-probability, and the ``top`` most likely tokens at its position as
-    (token, logprob) pairs, most likely first (ties by token id)."""
+    (token, logprob) pairs, most likely first (ties by token id).
+
+    Attributes:
+        token: the token id.
+        logprob: its natural log-probability under the target's raw logits (log-softmax before temperature,
+            top-k, top-p and any grammar mask).
+        top: the most likely (token, logprob) pairs at its position, as many as ``logprobs`` asked for.
+    """
 
     token: int
     logprob: float

@@ -135,31 +135,38 @@ class Model(Owned):
     # --- sizes -------------------------------------------------------------------------
     @property
     def n_layer(self) -> int:
+        """Number of layers (transformer blocks)."""
         return lib.llama_model_n_layer(self.ptr)
 
     @property
     def n_embd(self) -> int:
+        """Width of the hidden states (embedding size)."""
         return lib.llama_model_n_embd(self.ptr)
 
     @property
     def n_head(self) -> int:
+        """Number of attention heads."""
         return lib.llama_model_n_head(self.ptr)
 
     @property
     def n_head_kv(self) -> int:
+        """Number of key/value heads (fewer than ``n_head`` with grouped-query attention)."""
         return lib.llama_model_n_head_kv(self.ptr)
 
     @property
     def n_ctx_train(self) -> int:
+        """The context length the model was trained with (``Context(n_ctx=0)`` takes it)."""
         return lib.llama_model_n_ctx_train(self.ptr)
 
     @property
     def n_vocab(self) -> int:
+        """Number of tokens in the vocabulary."""
         self.ptr
         return lib.llama_vocab_n_tokens(self._vocab)
 
     @property
     def n_params(self) -> int:
+        """Number of parameters (weights)."""
         return lib.llama_model_n_params(self.ptr)
 
     @property
@@ -169,10 +176,12 @@ class Model(Owned):
 
     @property
     def is_recurrent(self) -> bool:
+        """True for a recurrent model (Mamba, RWKV...): its memory is a state, not a KV cache."""
         return bool(lib.llama_model_is_recurrent(self.ptr))
 
     @property
     def is_hybrid(self) -> bool:
+        """True for a hybrid model (attention and recurrent layers, e.g. Qwen3.5's gated delta net)."""
         return bool(lib.llama_model_is_hybrid(self.ptr))
 
     @functools.cached_property
@@ -183,6 +192,7 @@ class Model(Owned):
 
     @property
     def description(self) -> str:
+        """llama.cpp's one-line description of the model: architecture, size and weight type."""
         buf = ffi.new("char[]", 256)
         lib.llama_model_desc(self.ptr, buf, 256)
         return ffi.string(buf).decode("utf-8", "replace")
@@ -198,6 +208,7 @@ class Model(Owned):
     # --- metadata ----------------------------------------------------------------------
     @property
     def arch(self) -> str:
+        """The architecture (``general.architecture``: "llama", "qwen3", "dflash"...), "unknown" if absent."""
         return self.meta("general.architecture") or "unknown"
 
     def meta(self, key: str) -> str | None:
@@ -228,8 +239,17 @@ class Model(Owned):
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> np.ndarray:
         """Text -> token ids (int32 array). ``add_special`` adds BOS/EOS as the model asks.
 
+        Args:
+            text: the text to tokenize.
+            add_special: add BOS/EOS as the model's tokenizer asks.
+            parse_special: tokenize special-token text (``<|im_start|>``...) as those tokens, not as plain text.
+
+        Returns:
+            The token ids, int32.
+
         Raises:
             ValueError: the model has no tokenizer (vocabulary type none): pass token ids instead.
+            ClosedHandleError: the model is closed.
         """
         if not self.has_vocab:  # llama.cpp would abort the process (GGML_ASSERT: tokenizer not initialized)
             raise ValueError(f"{self.path.name} has no tokenizer (its vocabulary type is none): pass token ids, "
@@ -247,7 +267,19 @@ class Model(Owned):
 
     def detokenize(self, tokens: Iterable[int], *, remove_special: bool = False,
                    unparse_special: bool = False) -> str:
-        """Token ids -> text (invalid UTF-8 sequences are replaced)."""
+        """Token ids -> text (invalid UTF-8 sequences are replaced).
+
+        Args:
+            tokens: token ids.
+            remove_special: leave out BOS/EOS as the tokenizer adds them.
+            unparse_special: write special tokens as their text (else they are left out).
+
+        Returns:
+            The text, U+FFFD where the bytes are not valid UTF-8.
+
+        Raises:
+            InvalidBatchError: a token id outside the vocabulary.
+        """
         ids = self._checked_tokens(tokens)
         arr = ffi.new("llama_token[]", ids.tolist())
         size = max(16, 8 * len(ids))
@@ -259,7 +291,18 @@ class Model(Owned):
             size = -n
 
     def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
-        """One token's bytes (a piece may be part of a UTF-8 sequence)."""
+        """One token's bytes (a piece may be part of a UTF-8 sequence).
+
+        Args:
+            token: a token id.
+            special: write a special (control) token as its text (else its piece is empty).
+
+        Returns:
+            The token's bytes.
+
+        Raises:
+            InvalidBatchError: a token id outside the vocabulary.
+        """
         self._checked_tokens([token])
         size = 32
         while True:
@@ -297,10 +340,12 @@ class Model(Owned):
 
     @property
     def has_vocab(self) -> bool:
+        """Whether the model has a tokenizer (a vocabulary type other than none); without one, give token ids."""
         return lib.llama_vocab_type(self._live_vocab()) != lib.LLAMA_VOCAB_TYPE_NONE
 
     @property
     def chat_template(self) -> str | None:
+        """The chat template stored in the file (``tokenizer.chat_template``), or None."""
         ptr = lib.llama_model_chat_template(self.ptr, ffi.NULL)
         return None if ptr == ffi.NULL else ffi.string(ptr).decode("utf-8", "replace")
 
@@ -314,6 +359,15 @@ class Model(Owned):
         leading BOS the template writes is left out when the tokenizer adds one itself, so the text
         tokenizes (``add_special=True``) to exactly one BOS. ``tools`` (OpenAI's tool objects) go to a Jinja
         template's ``tools`` variable (``renders_tools`` says whether the template uses it).
+
+        Args:
+            messages: ``{"role": ..., "content": ...}`` dicts of strings.
+            add_assistant: end with the opening of the assistant's turn (the generation prompt).
+            template: a Jinja template or a llama.cpp template name, instead of the model's.
+            tools: OpenAI's tool objects, for a Jinja template that renders them.
+
+        Returns:
+            The formatted prompt, to tokenize with ``add_special=True`` (and ``parse_special=True``).
 
         Raises:
             ValueError: no template; ChatTemplateError (a ValueError): the template failed to render;

@@ -15,11 +15,22 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Args:
+    """How the next token is chosen from the logits: greedy at temperature 0, else drawn after top-k, temperature
+    and top-p, in llama.cpp's order.
+
+    Args:
         temperature: 0 = greedy; > 0 samples from softmax(logits / temperature).
         top_k: keep the k most likely tokens (0 = all).
         top_p: keep the smallest set of tokens whose probability reaches top_p (1.0 = all).
         seed: seed of the random generator (None = nondeterministic).
+
+    Raises:
+        ValueError: a negative (or NaN) temperature, a negative top_k, a top_p outside (0, 1].
+
+    Example:
+        ```python
+        sampler = pyllama_dspark.Sampler(pyllama_dspark.SamplingParams(temperature=0.7, top_p=0.9, seed=1))
+        ```
     """
 
     temperature: float = 0.0
@@ -37,6 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """True at temperature 0 (the argmax, no randomness)."""
         return self.temperature == 0.0
 
 
@@ -82,13 +94,22 @@ def _most_likely_first(probs: np.ndarray, top_p: float, candidates: int = 1024) 
 
 
 class Sampler:
-    """Draws tokens from logits with fixed params and its own seeded generator."""
+    """Draws tokens from logits with fixed params and its own seeded generator.
+
+    Args:
+        params: the ``SamplingParams`` (default: greedy).
+
+    Attributes:
+        params: the ``SamplingParams``.
+        rng: the ``numpy.random.Generator``, seeded with ``params.seed``.
+    """
 
     def __init__(self, params: SamplingParams | None = None):
         self.params = params or SamplingParams()
         self.rng = np.random.default_rng(self.params.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
+        """The next token id for one logits row [n_vocab]: its argmax when greedy, else a draw."""
         if self.params.greedy:
             return int(np.argmax(logits))
         return self.draw(probabilities(logits, self.params))

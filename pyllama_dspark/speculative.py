@@ -114,6 +114,15 @@ class Speculator:
     Raises:
         TypeError: a target that is not a Context, a drafter without the Drafter protocol (e.g. a path).
         ValueError: a negative n_draft, or a hybrid target without enough rollback snapshots.
+
+    Example:
+        ```python
+        model = pyllama_dspark.Model("target.gguf")
+        ctx = pyllama_dspark.Context(model, n_ctx=4096)
+        spec = pyllama_dspark.Speculator(ctx, pyllama_dspark.DSparkDrafter("drafter.gguf", ctx))
+        result = spec.generate("The capital of France is", max_tokens=32)
+        print(result.text, result.stats.accept_rate, result.stats.tau)
+        ```
     """
 
     def __init__(self, target: Context, drafter: Drafter, *, n_draft: int | None = None, n_draft_min: int = 0,
@@ -202,6 +211,38 @@ class Speculator:
         between). ``stats`` (if given) is filled as it goes. ``rules``: a grammar every committed token meets
         (drafts are cut before the first token it refuses, each verify row is masked with the grammar's state
         after the tokens before it) and logprobs from the verify rows (``OutputRules``; one per run).
+
+        A generator: nothing runs until the first Step is asked for, and the context is owned until the last one
+        (or until the iterator is closed: the memory is then left consistent for ``reuse_prefix``).
+
+        Args:
+            tokens: the prompt's token ids (``Model.tokenize``); they must leave room in the context (``generate``
+                checks it).
+            max_tokens: most tokens to generate (0: no Step at all).
+            sampler: the ``Sampler`` (default: greedy); with temperature > 0 drafts are verified by rejection
+                sampling.
+            stop_at_eog: stop after an end-of-generation token (it is the last token yielded).
+            stats: a ``SpecStats`` to fill (counts, timings, ``stop_reason``), or None.
+            reuse_prefix: keep the memory of the prefix shared with this Speculator's last generation.
+            rules: an ``OutputRules`` (grammar, logprobs), or None: free text, no logprobs.
+
+        Yields:
+            One ``Step`` per round, with its committed ``tokens`` (accepted drafts, then the target's token),
+                ``n_draft``, ``n_accept``, ``from_draft``, ``source``, timings and ``logprobs``.
+
+        Raises:
+            ValueError: ``max_tokens`` < 0.
+            ContextBusyError: another generation owns the target's context.
+            MemoryOpError: the target's memory cannot drop rejected drafts.
+            GrammarError: the grammar of ``rules`` allows no token, or refuses a committed one (a ValueError).
+            DecodeError: a decode failed.
+
+        Example:
+            ```python
+            tokens = ctx.model.tokenize("Hello")
+            for step in spec.run(tokens, max_tokens=64):
+                print(step.tokens, f"{step.n_accept}/{step.n_draft} accepted from {step.source or 'no draft'}")
+            ```
         """
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -426,6 +467,12 @@ class Speculator:
 
         Raises:
             TypeError: an argument of the wrong type (the message names it).
+            ValueError: an empty prompt or one of n_ctx tokens or more, ``max_tokens`` < 0, bad sampling
+                parameters, ``logprobs`` above 20; GrammarError (a ValueError): a grammar this vocabulary cannot
+                meet.
+            InvalidBatchError: a token id outside the vocabulary.
+            ContextBusyError: another generation owns the target's context (with ``stream``: while iterating).
+            DecodeError: a decode failed.
         """
         max_tokens = checks.integer("max_tokens", max_tokens, minimum=0)
         stop = checks.stop_strings(stop)
@@ -449,7 +496,26 @@ class Speculator:
         return result
 
     def chat(self, messages: Sequence[Mapping[str, str]], **kwargs):
-        """``generate`` on the messages formatted with the target's chat template."""
+        """``generate`` on the messages formatted with the target's chat template.
+
+        Args:
+            messages: the conversation, a list of ``{"role": ..., "content": ...}`` dicts of strings.
+            **kwargs: ``generate``'s keyword arguments.
+
+        Returns:
+            GenerationResult, or an iterator of TokenEvent with ``stream=True``.
+
+        Raises:
+            TypeError: ``messages`` is not a list of dicts with string ``role`` and ``content``.
+            ValueError: the target has no chat template, or as ``generate``; ``chat.ChatTemplateError`` (a
+                ValueError): the template failed to render.
+
+        Example:
+            ```python
+            reply = spec.chat([{"role": "user", "content": "Hi!"}], max_tokens=64)
+            print(reply.text)
+            ```
+        """
         return self.generate(self.target.model.apply_chat_template(checks.messages(messages)), **kwargs)
 
 

@@ -73,6 +73,37 @@ class DraftCounts:
 
 @dataclass
 class SpecStats(DraftCounts):
+    """What one generation did: token counts, timings, why it stopped, and what became of its drafts, in total and
+    per draft source (the definitions are in the module docstring). Plain decoding fills the counts and timings;
+    its drafting figures stay 0. ``GenerationResult.stats`` and ``Speculator.last_stats`` hold one.
+
+    Attributes:
+        rounds: verify decodes that checked at least one draft token.
+        drafted: draft tokens sent to verify.
+        accepted: of those, accepted.
+        reached_per_pos: per draft position (index i - 1 for position i), the rounds that reached it.
+        accepted_per_pos: per draft position, the rounds that accepted it.
+        t_draft: seconds spent drafting.
+        n_prompt: prompt tokens.
+        n_generated: generated tokens.
+        plain_steps: rounds that verified no draft (the cost-aware loop's k = 0, or a draft shorter than
+            n_draft_min).
+        t_prefill: seconds spent decoding the prompt.
+        t_decode: seconds from the end of the prefill to the end of the generation.
+        t_verify: seconds spent in rounds after drafting (the verify decode, acceptance, commit).
+        stop_reason: "eog", "stop", "max_tokens", "n_ctx" or "cancelled"; "" until known.
+        n_reused: prompt tokens whose memory a previous generation left (``reuse_prefix``).
+        n_draft_invalid: drafted tokens cut because the grammar refused them or a token before them.
+        n_forced: of the drafted tokens, those a grammar forced (in rounds of source "grammar").
+        n_forced_accepted: of those, accepted.
+        by_source: draft source name ("dspark", "lookup", "history", "grammar") -> its ``DraftCounts``, in the
+            order the sources first drafted; their counts sum to the totals.
+
+    The derived figures are properties: ``accept_rate``, ``tau`` (mean acceptance length, bonus token included),
+    ``per_position_rate``, ``decode_tok_s`` and ``total_tok_s``. ``format()`` writes the figures as a text block,
+    ``as_dict()`` as plain JSON values.
+    """
+
     n_prompt: int = 0
     n_generated: int = 0
     plain_steps: int = 0

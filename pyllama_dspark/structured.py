@@ -61,6 +61,18 @@ class Grammar:
     Build one with ``json_object()``, ``json_schema(schema)``, ``regex(pattern)``, ``lark(text)`` or
     ``from_response_format(response_format)``; each checks the grammar and raises ``GrammarError`` (a
     ValueError) naming the problem.
+
+    A Grammar holds no model: it is compiled against a model's vocabulary when a generation given it starts (the
+    vocabulary is built once per Model, about 1 s for 50k tokens), which raises ``GrammarError`` for a model
+    without a tokenizer. One Grammar may serve any number of generations and models.
+
+    Example:
+        ```python
+        llm = pyllama_dspark.load("target.gguf", drafter="drafter.gguf")
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        result = llm.generate("A number as JSON: ", grammar=pyllama_dspark.Grammar.json_schema(schema), max_tokens=32)
+        print(result.text)  # e.g. {"n":42}
+        ```
     """
 
     kind: str
@@ -68,14 +80,37 @@ class Grammar:
 
     @classmethod
     def json_object(cls) -> Grammar:
-        """Any JSON object (OpenAI's JSON mode)."""
+        """Any JSON object (OpenAI's JSON mode).
+
+        Returns:
+            A grammar of kind "json_object", written compactly (no whitespace between tokens).
+
+        Raises:
+            ImportError: llguidance is not installed.
+        """
         return cls._checked("json_object", _llguidance().LLMatcher.grammar_from_json_schema(
             {"type": "object"}, overrides=JSON_OPTIONS))
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
         """JSON valid under ``schema`` (a dict or its JSON text). Keywords llguidance does not implement are
-        refused, never ignored: the output always validates."""
+        refused, never ignored: the output always validates.
+
+        Args:
+            schema: a JSON schema, as a dict (or ``True``/``False``) or as its JSON text.
+
+        Returns:
+            A grammar of kind "json_schema", written compactly (no whitespace between tokens).
+
+        Raises:
+            GrammarError: text that is not JSON, a schema that is not an object, an invalid schema, or one with a
+                keyword or format llguidance does not implement.
+
+        Example:
+            ```python
+            Grammar.json_schema({"type": "array", "items": {"type": "string"}, "maxItems": 3})
+            ```
+        """
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -92,7 +127,22 @@ class Grammar:
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
-        """Text matching the regular expression (Rust ``regex`` syntax, matched whole)."""
+        """Text matching the regular expression (Rust ``regex`` syntax, matched whole).
+
+        Args:
+            pattern: the regular expression; the whole output must match it.
+
+        Returns:
+            A grammar of kind "regex".
+
+        Raises:
+            GrammarError: a pattern that is not a string or not a valid regex.
+
+        Example:
+            ```python
+            Grammar.regex(r"(yes|no)")
+            ```
+        """
         if not isinstance(pattern, str):
             raise GrammarError(f"a regex must be a string, got {type(pattern).__name__}")
         return cls._checked("regex", _llguidance().LLMatcher.grammar_from_regex(pattern))
@@ -100,7 +150,23 @@ class Grammar:
     @classmethod
     def lark(cls, text: str) -> Grammar:
         """Text of a Lark grammar (llguidance's dialect; ``start`` is the top rule). llama.cpp's GBNF is accepted
-        too and converted."""
+        too and converted.
+
+        Args:
+            text: the grammar: Lark, or GBNF (recognised by its ``::=``).
+
+        Returns:
+            A grammar of kind "lark".
+
+        Raises:
+            GrammarError: a grammar that is not a string, GBNF that cannot be converted, or an invalid grammar
+                (an undefined rule, a syntax error...).
+
+        Example:
+            ```python
+            Grammar.lark('start: "(" /[0-9]+/ ("," /[0-9]+/)* ")"')  # a tuple of numbers, e.g. (1,22,3)
+            ```
+        """
         if not isinstance(text, str):
             raise GrammarError(f"a grammar must be a string, got {type(text).__name__}")
         llg = _llguidance()
@@ -115,7 +181,18 @@ class Grammar:
     def from_response_format(cls, response_format: Mapping[str, Any]) -> Grammar | None:
         """OpenAI's ``response_format``: ``{"type": "text"}`` (None: no grammar), ``{"type": "json_object"}``,
         or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``. The schema
-        is always enforced (``strict`` is accepted and changes nothing)."""
+        is always enforced (``strict`` is accepted and changes nothing).
+
+        Args:
+            response_format: the ``response_format`` mapping of an OpenAI request.
+
+        Returns:
+            The grammar, or None for ``{"type": "text"}``.
+
+        Raises:
+            GrammarError: not a mapping, an unknown ``type``, a ``json_schema`` without ``schema``, a non-boolean
+                ``strict``, or a schema that ``json_schema`` refuses.
+        """
         if not isinstance(response_format, Mapping):
             raise GrammarError(f"response_format must be an object, got {type(response_format).__name__}")
         kind = response_format.get("type")
