@@ -132,7 +132,14 @@ class DocServer:
 @pytest.fixture(scope="module")
 def doc_servers(workdir):
     servers: dict[str, DocServer] = {}
-    yield lambda example: servers.setdefault(example.page, DocServer(server_example(example.page), workdir))
+
+    def server_for(example: Example) -> DocServer:
+        """The page's server, started by its first example that needs it."""
+        if example.page not in servers:
+            servers[example.page] = DocServer(server_example(example.page), workdir)
+        return servers[example.page]
+
+    yield server_for
     for server in servers.values():
         server.stop()
 
