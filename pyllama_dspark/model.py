@@ -526,8 +526,8 @@ def _read_string(call, size: int = 256) -> str | None:
 
 
 QUANT_TYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
-               "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1",
-               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+               "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_1": "LLAMA_FTYPE_MOSTLY_Q4_1", "q5_0": "LLAMA_FTYPE_MOSTLY_Q5_0",
+               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "bf16": "LLAMA_FTYPE_MOSTLY_BF16"}
 
 
 def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, *, n_threads: int = 0,
@@ -535,7 +535,7 @@ def quantize(src: str | os.PathLike, dst: str | os.PathLike, qtype: str, *, n_th
     """Write a copy of GGUF ``src`` with its weight matrices in ``qtype`` (llama.cpp's llama-quantize).
 
     Args:
-        qtype: one of f32, f16, q8_0, q4_0, q4_1, q4_k_m (norms and other 1-D tensors stay f32; like
+        qtype: one of f32, f16, bf16, q8_0, q5_0, q4_0, q4_1, q4_k_m (norms and other 1-D tensors stay f32; like
             llama-quantize, the 4-bit types keep the output head at q8_0 or a K-quant, and q4_k_m mixes
             q4_K with q6_K for the tensors llama-quantize gives more bits, hence "mostly").
         allow_requantize: accept a src whose weights are already quantized (they are dequantized first, so

@@ -61,6 +61,9 @@ def test_bench_mode_cost_small(tmp_path, make_model):
     for entry in result["types"].values():
         assert set(entry["on_over_off"]) == {"prefill_16", "prefill_70", "decode_at_300"}
         assert all(ratio > 0 for ratio in entry["on_over_off"].values())
+        assert set(entry["on_over_fast"]) == {"prefill_16", "prefill_70"}  # against a context without the mode
+        assert entry["n_ubatch"] == {"on_off": 64, "fast": 512}
+    assert result["cpu"]["simd"] is not None and "types" in result and result["command"]
     made = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert made == [f"{path.stem}-q4_k_m.gguf", f"{path.stem}-q8_0.gguf"], made
 

@@ -103,7 +103,9 @@ enum llama_ftype {
     LLAMA_FTYPE_MOSTLY_Q4_0          = 2,
     LLAMA_FTYPE_MOSTLY_Q4_1          = 3,
     LLAMA_FTYPE_MOSTLY_Q8_0          = 7,
+    LLAMA_FTYPE_MOSTLY_Q5_0          = 8,
     LLAMA_FTYPE_MOSTLY_Q4_K_M        = 15,
+    LLAMA_FTYPE_MOSTLY_BF16          = 32,
     ...
 };
 
