@@ -117,14 +117,18 @@ def test_decoys_loaded_first_with_rtld_global_do_not_bind_our_calls(target, deco
 
 
 def test_llama_cpp_python_in_the_same_process_in_both_orders(target, decoys, clean_tokens):
-    """Optional: with llama-cpp-python installed, ours gives the same tokens whether it was imported first or
-    second."""
+    """Optional: with llama-cpp-python installed, it generates on the same file in the same process before ours,
+    then after ours, and ours gives a clean process's tokens both times."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (an optional check)")
-    for first in ("import llama_cpp\n", ""):
-        code = first + GENERATE + ("import llama_cpp\n" if not first else "")
+    theirs = ("import llama_cpp, sys\n"
+              "out = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=256, verbose=False)('Once upon a time', "
+              "max_tokens=4, temperature=0)\n"
+              "assert out['usage']['completion_tokens'] >= 1, out\n")
+    for code in (theirs + GENERATE, GENERATE + theirs):  # llama-cpp-python generates before ours, then after
         proc = run(code, target, decoys)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert json.loads(proc.stdout.splitlines()[-1])["tokens"] == clean_tokens
+        line = next(line for line in proc.stdout.splitlines() if line.startswith("{"))
+        assert json.loads(line)["tokens"] == clean_tokens
 
 
 def test_a_failed_load_names_what_was_found_not_reinstall(monkeypatch):
