@@ -41,7 +41,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -79,7 +78,7 @@ def upstream_tools(jobs: int) -> dict[str, Path]:
         shutil.rmtree(home, ignore_errors=True)
         src.mkdir(parents=True)
         print(f"bench_upstream: extracting upstream {pin['upstream_commit']} into {src}", file=sys.stderr)
-        extract_whole(vendor.fetch_sdist(pin), src)
+        vendor.extract_sdist(vendor.fetch_sdist(pin), src, keep=whole_tree)
         marker.write_text(identity + "\n")
     if not (build / "CMakeCache.txt").exists():
         subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
@@ -97,18 +96,10 @@ def upstream_tools(jobs: int) -> dict[str, Path]:
     return found
 
 
-def extract_whole(sdist: Path, dest: Path) -> None:
-    """The sdist's whole llama.cpp tree (the build of the package leaves out the server's UI folder and the app,
-    which upstream's CMake files name when the server is built)."""
-    prefix = sdist.name[: -len(".tar.gz")] + "/vendor/llama.cpp/"
-    with tarfile.open(sdist, "r:gz") as tar:
-        members = []
-        for member in tar.getmembers():
-            rel = member.name[len(prefix):] if member.name.startswith(prefix) else ""
-            if rel and rel.split("/")[0] != ".git" and (member.isfile() or member.isdir()):
-                member.name = rel
-                members.append(member)
-        tar.extractall(dest, members=members, filter="data")
+def whole_tree(rel: str) -> bool:
+    """Every file of the sdist's llama.cpp tree but .git (the package's build leaves out the server's UI folder and
+    the app, which upstream's CMake files name when the server is built)."""
+    return rel.split("/")[0] != ".git"
 
 
 # --- servers ------------------------------------------------------------------------------------------------

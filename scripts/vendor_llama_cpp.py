@@ -29,6 +29,7 @@ import tarfile
 import tempfile
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,7 +141,9 @@ def _keep(rel: str) -> bool:
     return not any(rel == p or rel.startswith(p + "/") for p in SKIP_PATHS)
 
 
-def extract_sdist(sdist: Path, dest: Path) -> None:
+def extract_sdist(sdist: Path, dest: Path, keep: Callable[[str], bool] = _keep) -> None:
+    """The sdist's llama.cpp tree into ``dest``: the files and folders whose path under it ``keep`` accepts (by
+    default what the package's build needs)."""
     prefix = sdist.name[: -len(".tar.gz")] + "/vendor/llama.cpp/"
     with tarfile.open(sdist, "r:gz") as tar:
         members = []
@@ -148,7 +151,7 @@ def extract_sdist(sdist: Path, dest: Path) -> None:
             if not member.name.startswith(prefix):
                 continue
             rel = member.name[len(prefix):]
-            if rel and _keep(rel) and (member.isfile() or member.isdir()):
+            if rel and keep(rel) and (member.isfile() or member.isdir()):
                 member.name = rel
                 members.append(member)
         tar.extractall(dest, members=members, filter="data")
