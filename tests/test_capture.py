@@ -48,8 +48,8 @@ def rel_err(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
 
 
-# the figures in docs/python-api.md: measured max relative errors 4e-7 (llama, qwen3) and 2.1e-6 (qwen35, whose recurrent
-# layers chain more float32 operations); the same reference run in float32 is as far from float64
+# the figures in docs/python-api.md: measured max relative errors 4e-7 (llama, qwen3) and 2.1e-6 (qwen35, whose
+# recurrent layers chain more float32 operations); the same reference run in float32 is as far from float64
 FLOAT_REFERENCE_TOLERANCE = {"llama": 1e-6, "qwen3": 1e-6, "qwen35": 5e-6}
 
 

@@ -40,8 +40,9 @@ for name in {names!r}:
 
 def exported_functions(library: Path) -> list[str]:
     proc = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
-    return sorted({line.split()[-1] for line in proc.stdout.splitlines()
-                   if len(line.split()) == 3 and line.split()[1] in "TW" and not line.split()[-1].startswith("_")})
+    rows = [line.split() for line in proc.stdout.splitlines()]  # address, kind, name
+    return sorted({name for _, kind, name in (row for row in rows if len(row) == 3)
+                   if kind in "TW" and not name.startswith("_")})
 
 
 @pytest.fixture(scope="module")
